@@ -1,0 +1,25 @@
+"""mfsdp2: per-module sharding for PyTorch with FSDP2's API (``fully_shard``).
+
+See ``docs/design.md`` for the lifecycle, buffer layout, streams and allocator.
+"""
+
+from .allocator import BucketAllocator, CachingAllocator, DynamicAllocator
+from .comm import comm_stats
+from .layout import BufferLayout, plan_layout
+from .mixed_precision import MixedPrecisionPolicy
+from .module import FSDPModule, UnshardHandle, fully_shard
+from .placement import RowShard
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "MixedPrecisionPolicy",
+    "RowShard",
+    "BufferLayout",
+    "plan_layout",
+    "BucketAllocator",
+    "CachingAllocator",
+    "DynamicAllocator",
+    "comm_stats",
+]

@@ -1,0 +1,132 @@
+"""Allocators for the runtime's transient flat buffers (unsharded gradients, reduce-scatter outputs).
+
+Why the runtime has its own: torch FSDP2 allocates these buffers fresh on every use. On CPU a
+buffer above glibc's mmap threshold (32 MiB after adaptation) is returned to the OS on free, so
+each step pays mmap plus page faults for every one of them; on GPU the churn fragments the caching
+allocator. Our buffers have a handful of sizes that repeat every step, so caching them by size
+removes the churn.
+
+Interface: ``allocate(key, numel, dtype, device) -> Tensor`` and ``free(key)``; the key names the
+buffer's role (e.g. ``("grad", unit, group)``) so a trace-based allocator can recognise a step's
+pattern. Statistics: live bytes, peak live bytes and the number of underlying allocations.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+
+__all__ = ["AllocatorStats", "BucketAllocator", "DynamicAllocator", "CachingAllocator", "make_allocator"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AllocatorStats:
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    live_buffers: int = 0
+    peak_buffers: int = 0
+    underlying_allocations: int = 0
+    # Per role (the first element of a tuple key, e.g. "weight", "grad"): live and peak counts.
+    live_by_role: dict = field(default_factory=dict)
+    peak_by_role: dict = field(default_factory=dict)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+        self.peak_buffers = self.live_buffers
+        self.peak_by_role = dict(self.live_by_role)
+
+    def _add(self, key: Hashable, nbytes: int, sign: int) -> None:
+        role = key[0] if isinstance(key, tuple) and key else key
+        self.live_bytes += sign * nbytes
+        self.live_buffers += sign
+        self.live_by_role[role] = self.live_by_role.get(role, 0) + sign
+        if sign > 0:
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self.peak_buffers = max(self.peak_buffers, self.live_buffers)
+            self.peak_by_role[role] = max(self.peak_by_role.get(role, 0), self.live_by_role[role])
+
+
+class BucketAllocator:
+    """Base class: bookkeeping of live buffers and statistics; subclasses decide where bytes come from."""
+
+    def __init__(self) -> None:
+        self.stats = AllocatorStats()
+        self._live: dict[Hashable, torch.Tensor] = {}
+
+    def _obtain(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        raise TypeError(f"{type(self).__name__} must implement _obtain")
+
+    def _release(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def allocate(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if key in self._live:
+            raise RuntimeError(f"allocator: buffer {key!r} is already live; free it before allocating it again")
+        t = self._obtain(numel, dtype, torch.device(device))
+        self._live[key] = t
+        self.stats._add(key, t.numel() * t.element_size(), +1)
+        return t
+
+    def free(self, key: Hashable) -> None:
+        t = self._live.pop(key)
+        self.stats._add(key, t.numel() * t.element_size(), -1)
+        self._release(t)
+
+    def track(self, key: Hashable, nbytes: int) -> None:
+        """Count a buffer whose memory lives elsewhere (an unsharded weight storage resized in place)."""
+        self.stats._add(key, nbytes, +1)
+
+    def untrack(self, key: Hashable, nbytes: int) -> None:
+        self.stats._add(key, nbytes, -1)
+
+    def is_live(self, key: Hashable) -> bool:
+        return key in self._live
+
+
+class DynamicAllocator(BucketAllocator):
+    """Fresh memory for every request (what torch FSDP2 does); the baseline for benchmarks."""
+
+    def _obtain(self, numel, dtype, device):
+        self.stats.underlying_allocations += 1
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
+class CachingAllocator(BucketAllocator):
+    """Reuses freed buffers of the exact same (numel, dtype, device); never returns memory mid-run.
+
+    Exact-size classes are enough: the runtime's buffers come in one size per unit and group.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+
+    def _obtain(self, numel, dtype, device):
+        bucket = self._free[(numel, dtype, device)]
+        if bucket:
+            return bucket.pop()
+        self.stats.underlying_allocations += 1
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def _release(self, tensor):
+        self._free[(tensor.numel(), tensor.dtype, tensor.device)].append(tensor)
+
+    def cached_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for b in self._free.values() for t in b)
+
+
+def make_allocator(spec) -> BucketAllocator:
+    """``"caching"`` (default), ``"dynamic"`` or a :class:`BucketAllocator` instance."""
+    if isinstance(spec, BucketAllocator):
+        return spec
+    if spec in (None, "caching"):
+        return CachingAllocator()
+    if spec == "dynamic":
+        return DynamicAllocator()
+    raise ValueError(f"unknown allocator {spec!r}: use 'caching', 'dynamic' or a BucketAllocator instance")

@@ -1,0 +1,113 @@
+"""DataParallelBuffer: a planned flat buffer's shard and its unsharded (gathered) storage.
+
+Zero-copy gather: the unsharded buffer is one persistent tensor whose *storage* is resized to the
+full size for an unshard and back to 0 bytes for a reshard. Every parameter is a fixed view into it
+(:meth:`param_views`), so
+
+* the all-gather writes the parameters in place: its input is this rank's slice of its output;
+* views saved by autograd in forward stay valid for backward after a reshard/unshard cycle, because
+  they share the storage object, not just its old address.
+
+Reduce-scatter reads a full-size gradient buffer and writes a *separate* shard-size output: a
+reduce-scatter whose output aliases its input overwrites data it has not yet read.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .comm import CommHandle, Communicator
+from .layout import BufferLayout
+
+__all__ = ["DataParallelBuffer"]
+
+
+class DataParallelBuffer:
+    """One dtype's copy of a unit's flat buffer: ``shard`` (persistent) + ``unsharded`` (transient)."""
+
+    def __init__(
+        self,
+        layout: BufferLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+        comm: Communicator,
+        shard: Optional[torch.Tensor] = None,
+    ):
+        if layout.world_size != comm.world_size:
+            raise ValueError(f"layout planned for {layout.world_size} ranks, group has {comm.world_size}")
+        self.layout = layout
+        self.dtype = dtype
+        self.device = device
+        self.comm = comm
+        self.rank = comm.rank
+        S = layout.shard_numel
+        self.shard = shard if shard is not None else torch.zeros(S, dtype=dtype, device=device)
+        if self.shard.numel() != S or self.shard.dtype != dtype:
+            raise ValueError(f"shard must have {S} elements of {dtype}")
+        self.unsharded = torch.empty(layout.total_numel, dtype=dtype, device=device)
+        self._storage = self.unsharded.untyped_storage()
+        self._nbytes = self._storage.nbytes()
+        # Views are made while the storage has its full size (views of an empty storage fail the
+        # bounds check); the owner frees it once it has wrapped them (see ParameterGroup).
+        self._views = [self.param_view(self.unsharded, i) for i in range(len(layout.slots))]
+        # Collectives write through a second alias of the storage with its own version counter:
+        # refilling the buffer for backward must not bump the version of the parameter views that
+        # autograd saved in forward (it would report them as modified in place). The bytes written
+        # are the same weights, so the saved values stay valid.
+        self._writer = torch.empty(0, dtype=dtype, device=device).set_(
+            self._storage, 0, (layout.total_numel,), (1,)
+        )
+
+    # -- geometry -----------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the unsharded buffer when materialised."""
+        return self._nbytes
+
+    def local_slice(self, full: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.layout.shard_range(self.rank)
+        return full[lo:hi]
+
+    def param_view(self, full: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index`` as a view of a full-size flat tensor, in its original shape."""
+        slot = self.layout.slots[index]
+        return full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def piece_view(self, shard: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's rows of parameter ``index`` as a view of a shard-size flat tensor."""
+        slot = self.layout.slots[index]
+        piece = self.layout.piece(index, self.rank)
+        flat = shard[piece.shard_offset : piece.shard_offset + piece.numel]
+        if len(slot.shape) == 0:
+            return flat.view(())
+        return flat.view((piece.num_rows,) + slot.shape[1:])
+
+    def param_views(self) -> list[torch.Tensor]:
+        """Fixed views of every parameter into the unsharded buffer (valid while unsharded)."""
+        return self._views
+
+    # -- unsharded storage --------------------------------------------------------------------
+    @property
+    def is_unsharded(self) -> bool:
+        return self._storage.nbytes() > 0
+
+    def materialize(self) -> None:
+        if not self.is_unsharded:
+            self._storage.resize_(self._nbytes)
+
+    def free_unsharded(self) -> None:
+        self._storage.resize_(0)
+
+    # -- collectives --------------------------------------------------------------------------
+    def all_gather(self) -> CommHandle:
+        """Fill the unsharded buffer from every rank's shard (in place: no copy-out)."""
+        self.materialize()
+        mine = self.local_slice(self._writer)
+        mine.copy_(self.shard)
+        return self.comm.all_gather(self._writer, mine)
+
+    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, op) -> CommHandle:
+        """Reduce a full-size flat tensor into ``out`` (shard size, must not alias ``full``)."""
+        return self.comm.reduce_scatter(out, full, op)

@@ -1,0 +1,228 @@
+"""``fully_shard`` and the ``FSDPModule`` mixin it swaps into a module's class.
+
+``fully_shard(module)`` makes ``module`` a *unit*: its own parameters (not those of units nested
+below it, which must be wrapped first) are grouped by (dtype, requires_grad) into
+:class:`~mfsdp2.param_group.ParameterGroup` s, replaced on the module by row-sharded DTensor
+parameters for the optimizer, and the module's class becomes ``FSDP<Cls>`` so the FSDP2 methods
+(``unshard``, ``reshard``, ``set_requires_gradient_sync``, ...) are available on it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from .allocator import BucketAllocator
+from .comm import Communicator
+from .hooks import lazy_init, post_forward, pre_forward, reshard, unshard_async, wait_unshard
+from .mixed_precision import MixedPrecisionPolicy
+from .param_group import ParameterGroup, ParamInfo
+from .state import FSDPState
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+
+logger = logging.getLogger(__name__)
+
+_communicators: dict = {}
+_class_cache: dict[type, type] = {}
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard."""
+
+    def __init__(self, state: FSDPState):
+        self._state = state
+
+    def wait(self) -> None:
+        wait_unshard(self._state)
+
+
+class FSDPModule:
+    """Mixin added to every module ``fully_shard`` was applied to (FSDP2's method names)."""
+
+    _mfsdp2_state: FSDPState
+
+    def _units(self, recurse: bool):
+        mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        return [m._mfsdp2_state for m in mods if isinstance(m, FSDPModule)]
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """Gather this unit's parameters now (e.g. to overlap with work before forward)."""
+        state = self._mfsdp2_state
+        unshard_async(state)
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this unit's gathered parameters and put the sharded ones back on the module."""
+        reshard(self._mfsdp2_state)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: accumulate unsharded gradients locally (no reduce-scatter) until set back to True."""
+        for s in self._units(recurse):
+            s.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for s in self._units(recurse):
+            s.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        for s in self._units(recurse):
+            s.reshard_after_forward = reshard_after_forward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        for s in self._units(True):
+            s.is_last_backward = is_last_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        self._mfsdp2_state.forward_prefetch = [_state_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        self._mfsdp2_state.backward_prefetch = [_state_of(m) for m in modules]
+
+    def set_prefetch_depth(self, depth: int) -> None:
+        """How many units ahead the recorded-order prefetch gathers (root only; default 1)."""
+        state = self._mfsdp2_state
+        lazy_init(state)
+        if depth < 0:
+            raise ValueError(f"prefetch depth must be >= 0, got {depth}")
+        state.ctx.schedule.prefetch_depth = depth
+
+    @property
+    def allocator(self) -> BucketAllocator:
+        """The allocator shared by every unit under this unit's root (after the first forward)."""
+        state = self._mfsdp2_state
+        lazy_init(state)
+        return state.ctx.allocator
+
+
+def _state_of(m) -> FSDPState:
+    if not isinstance(m, FSDPModule):
+        raise TypeError(f"{type(m).__name__} is not an FSDP module: call fully_shard on it first")
+    return m._mfsdp2_state
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError("mfsdp2.fully_shard needs torch.distributed initialised (dist.init_process_group)")
+    device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _communicator(mesh: DeviceMesh) -> Communicator:
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    )
+    group = mesh.get_group()
+    key = (id(group), str(device))
+    if key not in _communicators:
+        _communicators[key] = Communicator(group, device)
+    return _communicators[key]
+
+
+def _collect(module: nn.Module, device: torch.device) -> tuple[list[list[ParamInfo]], list[nn.Parameter]]:
+    """This unit's own parameters (skipping nested units), deduplicated, in registration order."""
+    infos: dict[int, list[ParamInfo]] = {}
+    params: dict[int, nn.Parameter] = {}
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            fqn = prefix + attr
+            if isinstance(p, DTensor):
+                raise ValueError(
+                    f"mfsdp2: parameter {fqn!r} of {type(module).__name__} is already a DTensor "
+                    f"({p.placements}); either fully_shard was applied to a parent before this module "
+                    "(wrap children first, root last) or the parameter is tensor-parallel, which is "
+                    "not supported yet"
+                )
+            if p.device.type == "meta":
+                raise ValueError(
+                    f"mfsdp2: parameter {fqn!r} is on the meta device; materialise the module "
+                    "(to_empty + reset_parameters) before fully_shard"
+                )
+            if p.device != device and not (p.device.type == device.type == "cpu"):
+                raise ValueError(
+                    f"mfsdp2: parameter {fqn!r} is on {p.device} but the mesh computes on {device}; "
+                    f"move the module with module.to({str(device)!r}) first"
+                )
+            infos.setdefault(id(p), []).append(ParamInfo(m, attr, fqn))
+            params[id(p)] = p
+        for name, child in m._modules.items():
+            if child is None or isinstance(child, FSDPModule):
+                continue
+            visit(child, prefix + name + ".")
+
+    visit(module, "")
+    keys = list(params)
+    return [infos[k] for k in keys], [params[k] for k in keys]
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    allocator: Union[str, BucketAllocator, None] = None,
+) -> nn.Module:
+    """Shard ``module``'s own parameters over ``mesh`` and make it an :class:`FSDPModule`.
+
+    Apply to children first and the root last. ``allocator`` is read from the root only
+    (``"caching"`` default, ``"dynamic"``, or a :class:`~mfsdp2.allocator.BucketAllocator`).
+    """
+    if isinstance(module, FSDPModule):
+        raise ValueError(
+            f"mfsdp2: fully_shard was already applied to this {type(module).__name__}; apply it once per module"
+        )
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            "mfsdp2: reshard_after_forward=<int> (resharding to a smaller group) is not supported yet; "
+            "use True or False"
+        )
+    mesh = mesh if mesh is not None else _default_mesh()
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"mfsdp2: a {mesh.ndim}-D mesh was given; only 1-D data-parallel meshes are supported so far"
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError("mfsdp2: this rank is not part of the given mesh")
+    comm = _communicator(mesh)
+    name = type(module).__name__  # renamed to its path under the root at the first forward
+    infos, params = _collect(module, comm.device)
+
+    by_key: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        if p.dim() == 0:
+            raise ValueError(
+                f"mfsdp2: parameter {infos[i][0].fqn!r} of {name} is 0-dimensional; FSDP shards dim 0, "
+                "so store it with shape (1,)"
+            )
+        by_key.setdefault((p.dtype, p.requires_grad), []).append(i)
+    groups = [
+        ParameterGroup(name, [infos[i] for i in idx], [params[i] for i in idx], mesh, comm, comm.device, mp_policy)
+        for idx in by_key.values()
+    ]
+    state = FSDPState(module, name, mesh, comm, groups, mp_policy, reshard_after_forward, allocator)
+    for g in groups:
+        g.register(unsharded=False)
+
+    cls = type(module)
+    if cls not in _class_cache:
+        _class_cache[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = _class_cache[cls]
+    module._mfsdp2_state = state
+    module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(post_forward, always_call=False, with_kwargs=True)
+    logger.debug("mfsdp2: %s -> %d groups: %s", name, len(groups), [g.layout.describe() for g in groups])
+    return module

@@ -1,0 +1,232 @@
+"""ParameterGroup: one unit's parameters of one (dtype, requires_grad), sharded in flat buffers.
+
+A group owns three flat buffers planned by one :class:`~mfsdp2.layout.BufferLayout`:
+
+* the **main weights** (``main_weight``, shard only, fp32 by default): what the optimizer updates;
+* the **model weights** (a :class:`~mfsdp2.buffer.DataParallelBuffer` in the compute dtype): its
+  shard is cast from the main weights once per optimizer step (or *is* the main shard when the
+  dtypes match) and its unsharded storage is what forward and backward compute with;
+* the **main gradients** (``main_grad``, shard only, fp32 by default): where reduce-scattered
+  gradients accumulate.
+
+To the optimizer it exposes one ``nn.Parameter`` per original parameter: a DTensor with the
+original global shape and a :class:`~mfsdp2.placement.RowShard` placement, whose local tensor is a
+view of this rank's rows in ``main_weight`` and whose ``.grad`` is a view into ``main_grad``. A rank
+that holds no rows of a parameter gives it ``grad = None``: fused multi-tensor optimizers handed
+empty tensors corrupt the neighbouring parameters' updates.
+
+Step detection: the optimizer's in-place update bumps ``main_weight``'s version counter (the
+DTensor locals are views of it), so the next unshard sees a new version and re-casts the model
+shard. No user call is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .allocator import BucketAllocator
+from .buffer import DataParallelBuffer
+from .comm import CommHandle, Communicator
+from .layout import plan_layout
+from .mixed_precision import MixedPrecisionPolicy
+from .placement import row_sharded_dtensor
+
+__all__ = ["ParamInfo", "ParameterGroup"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ParamInfo:
+    """One place an original parameter is registered: ``owner._parameters[attr]``; ``fqn`` for messages."""
+
+    owner: nn.Module
+    attr: str
+    fqn: str
+
+
+class ParameterGroup:
+    def __init__(
+        self,
+        unit_name: str,
+        infos: list[list[ParamInfo]],
+        params: list[nn.Parameter],
+        mesh: DeviceMesh,
+        comm: Communicator,
+        device: torch.device,
+        mp: MixedPrecisionPolicy,
+    ):
+        self.unit_name = unit_name
+        self.infos = infos
+        self.mesh = mesh
+        self.comm = comm
+        self.device = device
+        self.rank = comm.rank
+        self.orig_dtype = params[0].dtype
+        self.requires_grad = params[0].requires_grad
+        self.compute_dtype = mp.compute_dtype(self.orig_dtype)
+        self.main_dtype = mp.main_dtype(self.orig_dtype, self.requires_grad)
+        self.grad_dtype = mp.grad_dtype(self.orig_dtype)
+        self.reduce_dtype = mp.wire_reduce_dtype(self.compute_dtype)
+        self.name = f"{unit_name}[{str(self.orig_dtype).replace('torch.', '')}{'' if self.requires_grad else ',frozen'}]"
+
+        itemsize = min(torch.finfo(d).bits if d.is_floating_point else torch.iinfo(d).bits
+                       for d in (self.compute_dtype, self.main_dtype)) // 8
+        self.layout = plan_layout([tuple(p.shape) for p in params], comm.world_size, align=max(16 // itemsize, 1))
+
+        S = self.layout.shard_numel
+        self.main_weight = torch.zeros(S, dtype=self.main_dtype, device=device)
+        same = self.main_dtype == self.compute_dtype
+        model_shard = self.main_weight if same else torch.zeros(S, dtype=self.compute_dtype, device=device)
+        self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, comm, shard=model_shard)
+        self._needs_cast = not same
+        self._cast_version = -1
+        self.gathered_version = -1
+        self.main_grad: Optional[torch.Tensor] = None  # created at the first reduction
+        self.dist_params: list[nn.Parameter] = []
+        self.unsharded_params: list[nn.Parameter] = []
+        self._pending_reduce: Optional[tuple[CommHandle, torch.Tensor, tuple]] = None
+        self.grads_reduced_this_step = False
+
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                piece = self.weights.piece_view(self.main_weight, i)
+                lo = self.layout.piece(i, self.rank)
+                src = p.detach().reshape(p.shape)
+                piece.copy_(src[lo.row_start : lo.row_end] if p.dim() else src)
+        self._make_params(params)
+        self.weights.free_unsharded()
+        self.refresh_model_shard(force=True)
+
+    # -- parameters ---------------------------------------------------------------------------
+    def _make_params(self, params: list[nn.Parameter]) -> None:
+        views = self.weights.param_views()
+        for i, p in enumerate(params):
+            local = self.weights.piece_view(self.main_weight, i)
+            rows = self.layout.rows_per_rank(i)
+            dp = nn.Parameter(row_sharded_dtensor(local, self.mesh, rows, p.shape), requires_grad=p.requires_grad)
+            for k, v in p.__dict__.items():  # user tags (no-weight-decay flags, TP metadata, ...)
+                if not k.startswith("_mfsdp2"):
+                    setattr(dp, k, v)
+            self.dist_params.append(dp)
+            up = nn.Parameter(views[i], requires_grad=p.requires_grad)
+            self.unsharded_params.append(up)
+
+    def register(self, unsharded: bool) -> None:
+        """Point every owner module's attribute at the unsharded (compute) or sharded (DTensor) params.
+
+        A parameter shared by several modules of this unit (tied weights) has several owners.
+        """
+        params = self.unsharded_params if unsharded else self.dist_params
+        for owners, p in zip(self.infos, params):
+            for info in owners:
+                info.owner._parameters[info.attr] = p
+
+    def refresh_model_shard(self, force: bool = False) -> None:
+        """Cast main -> model weights when the optimizer changed the main shard (version counter)."""
+        if not self._needs_cast:
+            return
+        v = self.main_weight._version
+        if force or v != self._cast_version:
+            with torch.no_grad():
+                self.weights.shard.copy_(self.main_weight)
+            self._cast_version = self.main_weight._version
+
+    # -- unshard / reshard --------------------------------------------------------------------
+    @property
+    def is_unsharded(self) -> bool:
+        return self.weights.is_unsharded
+
+    def unshard(self) -> CommHandle:
+        self.refresh_model_shard()
+        self.gathered_version = self.main_weight._version
+        with torch.no_grad():
+            return self.weights.all_gather()
+
+    @property
+    def stale(self) -> bool:
+        """True when the optimizer changed the main weights after the last gather."""
+        return self.main_weight._version != self.gathered_version
+
+    def reshard(self) -> None:
+        self.weights.free_unsharded()
+
+    # -- gradients ----------------------------------------------------------------------------
+    def has_unsharded_grads(self) -> bool:
+        return any(p.grad is not None for p in self.unsharded_params)
+
+    def reduce_grads(self, allocator: BucketAllocator, key) -> None:
+        """Pack the unsharded grads into a flat buffer and issue its reduce-scatter (async).
+
+        Parameters with no local gradient contribute zeros so every rank issues the same
+        collective; call :meth:`finish_reduce` to accumulate the result into ``main_grad``.
+        """
+        if not self.requires_grad:
+            return
+        self.finish_reduce(allocator)  # one reduction per group in flight
+        layout = self.layout
+        full = allocator.allocate(("grad", key), layout.total_numel, self.reduce_dtype, self.device)
+        has_grad = []
+        with torch.no_grad():
+            end = 0
+            for i, up in enumerate(self.unsharded_params):
+                slot = layout.slots[i]
+                if slot.offset > end:
+                    full[end : slot.offset].zero_()
+                view = full[slot.offset : slot.offset + slot.numel]
+                if up.grad is None:
+                    view.zero_()
+                    has_grad.append(False)
+                else:
+                    view.copy_(up.grad.reshape(-1))
+                    up.grad = None
+                    has_grad.append(True)
+                end = slot.offset + slot.numel
+            if end < layout.total_numel:
+                full[end:].zero_()
+            out = allocator.allocate(("rs_out", key), layout.shard_numel, self.reduce_dtype, self.device)
+            handle = self.weights.reduce_scatter(full, out, dist.ReduceOp.AVG)
+        self._pending_reduce = (handle, full, out, tuple(has_grad), key)
+
+    @property
+    def reduce_pending(self) -> bool:
+        return self._pending_reduce is not None
+
+    def finish_reduce(self, allocator: BucketAllocator) -> None:
+        """Wait for the in-flight reduce-scatter and accumulate it into ``main_grad``."""
+        if self._pending_reduce is None:
+            return
+        handle, full, out, has_grad, key = self._pending_reduce
+        self._pending_reduce = None
+        handle.wait()
+        allocator.free(("grad", key))
+        with torch.no_grad():
+            if self.main_grad is None:
+                self.main_grad = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
+                for dp in self.dist_params:
+                    dp.grad = None
+            overwrite = [dp.grad is None for dp in self.dist_params]
+            if all(overwrite):
+                self.main_grad.copy_(out)
+            else:
+                # optimizer.zero_grad() (set_to_none) clears some grads: their pieces restart at 0.
+                for i, dp in enumerate(self.dist_params):
+                    if overwrite[i]:
+                        self.weights.piece_view(self.main_grad, i).zero_()
+                    elif dp.grad._local_tensor.data_ptr() != self.weights.piece_view(self.main_grad, i).data_ptr():
+                        # The user assigned a grad of their own: fold it in before accumulating.
+                        self.weights.piece_view(self.main_grad, i).copy_(dp.grad._local_tensor)
+                self.main_grad.add_(out)
+            for i, dp in enumerate(self.dist_params):
+                if dp.grad is None and has_grad[i] and self.layout.piece(i, self.rank).numel > 0:
+                    local = self.weights.piece_view(self.main_grad, i)
+                    dp.grad = row_sharded_dtensor(local, self.mesh, self.layout.rows_per_rank(i), dp.shape)
+        allocator.free(("rs_out", key))
+        self.grads_reduced_this_step = True

@@ -1,0 +1,101 @@
+"""``RowShard``: the DTensor placement of our row-aligned, uneven shards.
+
+Why a placement and not a plain ``Shard(0)``: torch's ``Shard(0)`` means ``torch.chunk`` splits.
+Our layout (see :mod:`mfsdp2.layout`) splits every parameter at flat-buffer boundaries, so rank
+``r`` may hold 7 rows where ``torch.chunk`` would give it 5. A ``Shard(0)`` DTensor with such a
+local tensor lies about its metadata: ``full_tensor()`` pads to chunk sizes and gloo aborts with
+"Received data size doesn't match", and DCP writes rows at the wrong global offsets.
+
+``RowShard(0, rows)`` carries the true per-rank row counts and overrides exactly the hooks torch's
+DTensor machinery asks a shard placement for:
+
+* ``_local_shard_size_and_offset`` -> DCP chunk metadata and ``compute_local_shape_and_global_offset``;
+* ``_to_replicate_tensor`` -> ``full_tensor()`` / ``redistribute(Replicate())``;
+* ``_to_new_shard_dim`` and ``_replicate_to_shard`` -> other redistributions, through a full tensor.
+
+It compares equal to ``Shard(dim)`` so DTensor's sharding rules (pointwise ops, foreach optimizer
+kernels, norms) treat it as a dim-0 shard and propagate the *same object* to outputs: optimizer
+states created with ``zeros_like`` carry the true row counts too. Two ``RowShard`` with different
+row counts are unequal, so sharding-propagation caches never mix them up. One consequence: asking
+to ``redistribute`` to ``Shard(0)`` is a no-op that keeps our split (the result is still correct
+and self-consistent, just not ``torch.chunk``-shaped).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.device_mesh import DeviceMesh
+
+__all__ = ["RowShard", "row_sharded_dtensor"]
+
+
+class RowShard(Shard):
+    """Shard along ``dim`` with explicit per-rank row counts (``rows[r]`` rows on mesh rank ``r``)."""
+
+    def __init__(self, dim: int, rows: Sequence[int]):
+        super().__init__(dim)
+        self.rows = tuple(int(r) for r in rows)
+        self.starts = tuple(sum(self.rows[:r]) for r in range(len(self.rows)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RowShard):
+            return self.dim == other.dim and self.rows == other.rows
+        return isinstance(other, Shard) and self.dim == other.dim
+
+    def __hash__(self) -> int:
+        return Shard.__hash__(self)
+
+    def __repr__(self) -> str:
+        return f"RowShard(dim={self.dim}, rows={self.rows})"
+
+    def __str__(self) -> str:
+        return f"RS({self.dim})"
+
+    def _check_mesh(self, num_chunks: int) -> None:
+        if num_chunks != len(self.rows):
+            raise ValueError(
+                f"{self!r} describes {len(self.rows)} ranks but the mesh dimension has {num_chunks}"
+            )
+
+    def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank):  # type: ignore[override]
+        self._check_mesh(num_chunks)
+        return self.rows[rank], self.starts[rank]
+
+    def _to_replicate_tensor(self, local_tensor, mesh: DeviceMesh, mesh_dim: int, current_logical_shape):  # type: ignore[override]
+        self._check_mesh(mesh.size(mesh_dim))
+        # Pad every piece to the longest, gather once, then drop each piece's padding.
+        m = max(self.rows)
+        moved = local_tensor.movedim(self.dim, 0)
+        padded = moved.new_zeros((m,) + tuple(moved.shape[1:]))
+        padded[: moved.shape[0]] = moved
+        out = padded.new_empty((m * len(self.rows),) + tuple(moved.shape[1:]))
+        dist.all_gather_single(out, padded.contiguous(), group=mesh.get_group(mesh_dim))
+        full = torch.cat([out[i * m : i * m + r] for i, r in enumerate(self.rows)])
+        return full.movedim(0, self.dim).contiguous()
+
+    def _replicate_to_shard(self, local_tensor, mesh: DeviceMesh, mesh_dim: int, shard_index):  # type: ignore[override]
+        self._check_mesh(mesh.size(mesh_dim))
+        i = int(shard_index)
+        return local_tensor.narrow(self.dim, self.starts[i], self.rows[i]).clone()
+
+    def _to_new_shard_dim(self, local_tensor, mesh, mesh_dim, current_logical_shape, new_shard_dim):  # type: ignore[override]
+        full = self._to_replicate_tensor(local_tensor, mesh, mesh_dim, current_logical_shape)
+        coord = mesh.get_coordinate()
+        if coord is None:
+            return local_tensor
+        return Shard(new_shard_dim)._replicate_to_shard(full, mesh, mesh_dim, coord[mesh_dim])
+
+
+def row_sharded_dtensor(
+    local: torch.Tensor, mesh: DeviceMesh, rows: Sequence[int], global_shape: Sequence[int]
+) -> DTensor:
+    """Wrap ``local`` (this rank's rows, a view that must stay a view) as a row-sharded DTensor."""
+    shape = torch.Size(global_shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        local, mesh, [RowShard(0, rows)], run_check=False, shape=shape, stride=stride
+    )

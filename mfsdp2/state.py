@@ -1,0 +1,108 @@
+"""Per-unit state and the per-model root context, with explicit state enums.
+
+Every ``fully_shard`` call creates one :class:`FSDPState` (a *unit*). At the first forward the unit
+whose forward runs outermost becomes the **root**: it creates a :class:`RootContext` shared by every
+unit below it (one allocator, one communicator per process group, the recorded execution order
+and the backward bookkeeping), so no unit needs to know its neighbours.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import TYPE_CHECKING, Optional
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .allocator import BucketAllocator, make_allocator
+from .comm import Communicator
+from .mixed_precision import MixedPrecisionPolicy
+
+if TYPE_CHECKING:
+    from .param_group import ParameterGroup
+    from .schedule import Schedule
+
+__all__ = ["ShardState", "TrainingState", "FSDPState", "RootContext"]
+
+logger = logging.getLogger(__name__)
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"  # only the shards exist
+    UNSHARDING = "unsharding"  # all-gather issued, not yet waited
+    UNSHARDED = "unsharded"  # gathered and registered on the module
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"  # unsharded for (or running) its backward
+    POST_BACKWARD = "post_backward"  # gradients handed to reduce-scatter
+
+
+class FSDPState:
+    """Everything ``fully_shard`` attached to one module."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        name: str,
+        mesh: DeviceMesh,
+        comm: Communicator,
+        groups: "list[ParameterGroup]",
+        mp: MixedPrecisionPolicy,
+        reshard_after_forward: bool,
+        allocator_spec,
+    ):
+        self.module = module
+        self.name = name
+        self.mesh = mesh
+        self.comm = comm
+        self.groups = groups
+        self.mp = mp
+        self.reshard_after_forward = reshard_after_forward
+        self.allocator_spec = allocator_spec
+        self.ctx: Optional[RootContext] = None
+        self.shard_state = ShardState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.pending_unshard: list = []
+        # Per-iteration flags, reset by the root's final backward callback.
+        self.forward_with_grad = False
+        self.post_backward_done = False
+        # User controls (FSDP2 names).
+        self.requires_gradient_sync = True
+        self.reshard_after_backward = True
+        self.is_last_backward = True
+        self.forward_prefetch: Optional[list[FSDPState]] = None  # explicit overrides of the schedule
+        self.backward_prefetch: Optional[list[FSDPState]] = None
+
+    def __repr__(self) -> str:
+        return f"FSDPState({self.name!r}, {self.shard_state.value}, {self.training_state.value})"
+
+    @property
+    def is_root(self) -> bool:
+        return self.ctx is not None and self.ctx.root is self
+
+
+class RootContext:
+    """State shared by all units under one root."""
+
+    def __init__(self, root: FSDPState, states: list[FSDPState], allocator: BucketAllocator):
+        from .schedule import Schedule
+
+        self.root = root
+        self.states = states  # pre-order (root first), i.e. module registration order
+        self.allocator = allocator
+        self.schedule: Schedule = Schedule(states)
+        self.callback_queued = False
+        self.reduce_queue: list[FSDPState] = []  # units with a reduce-scatter in flight, oldest first
+        self.step = 0
+
+    @classmethod
+    def create(cls, root: FSDPState, states: list[FSDPState]) -> "RootContext":
+        ctx = cls(root, states, make_allocator(root.allocator_spec))
+        for s in states:
+            s.ctx = ctx
+        logger.debug("mfsdp2: root %s owns %d units", root.name, len(states))
+        return ctx

@@ -1,0 +1,84 @@
+"""Small models and a reference trainer shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d_in: int = 12, d: int = 16, hidden: int = 40, d_out: int = 5, n_blocks: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(n_blocks))
+        self.head = nn.Linear(d, d_out)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def build(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "net":
+        return Net()
+    if kind == "frozen":  # a frozen block and a unit mixing frozen and trainable params
+        m = Net()
+        m.blocks[1].requires_grad_(False)
+        m.blocks[2].fc1.requires_grad_(False)
+        return m
+    if kind == "tiny":  # so small that at world size 4 some ranks hold no rows of some params
+        return Net(d_in=3, d=2, hidden=3, d_out=1, n_blocks=2)
+    raise ValueError(kind)
+
+
+def batch(step: int, n: int, d_in: int, seed: int = 1234):
+    """Inputs and targets of a fixed linear teacher plus noise, so the loss can fall."""
+    teacher = torch.randn(d_in, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed + 1 + step)
+    x = torch.randn(n, d_in, generator=g)
+    y = x @ teacher + 0.1 * torch.randn(n, generator=g)
+    return x, y
+
+
+def make_opt(kind: str, params):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    raise ValueError(kind)
+
+
+def loss_fn(out, y):
+    return ((out.sum(-1) - y) ** 2).mean()
+
+
+def reference_run(kind: str, opt_kind: str, steps: int, global_batch: int):
+    """Single-process, unsharded: the independent reference for the parity tests."""
+    torch.set_num_threads(1)
+    model = build(kind)
+    d_in = model.inp.in_features
+    opt = make_opt(opt_kind, [p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, global_batch, d_in)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
