@@ -15,9 +15,9 @@ view of this rank's rows in ``main_weight`` and whose ``.grad`` is a view into `
 that holds no rows of a parameter gives it ``grad = None``: fused multi-tensor optimizers handed
 empty tensors corrupt the neighbouring parameters' updates.
 
-Step detection: the optimizer's in-place update bumps ``main_weight``'s version counter (the
-DTensor locals are views of it), so the next unshard sees a new version and re-casts the model
-shard. No user call is needed.
+Step detection: the optimizer's in-place update of a DTensor parameter bumps that parameter's
+version counter (not ``main_weight``'s: the counters are not shared through the DTensor wrapper),
+so the next unshard sees a new version sum and re-casts the model shard. No user call is needed.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ class ParameterGroup:
         self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, comm, shard=model_shard)
         self._needs_cast = not same
         self._cast_version = -1
+        self.casts = 0  # main -> model casts done (tests check: once per optimizer step)
         self.gathered_version = -1
         self.main_grad: Optional[torch.Tensor] = None  # created at the first reduction
         self.dist_params: list[nn.Parameter] = []
@@ -129,15 +130,21 @@ class ParameterGroup:
             for info in owners:
                 info.owner._parameters[info.attr] = p
 
+    def main_version(self) -> int:
+        """Grows whenever anything writes the main weights in place (optimizer, loading)."""
+        # DTensor ops bump the wrapper's counter, direct writes to a local bump the local's.
+        return self.main_weight._version + sum(dp._version + dp._local_tensor._version for dp in self.dist_params)
+
     def refresh_model_shard(self, force: bool = False) -> None:
-        """Cast main -> model weights when the optimizer changed the main shard (version counter)."""
+        """Cast main -> model weights when the optimizer changed the main shard (version counters)."""
         if not self._needs_cast:
             return
-        v = self.main_weight._version
+        v = self.main_version()
         if force or v != self._cast_version:
             with torch.no_grad():
                 self.weights.shard.copy_(self.main_weight)
-            self._cast_version = self.main_weight._version
+            self._cast_version = v
+            self.casts += 1
 
     # -- unshard / reshard --------------------------------------------------------------------
     @property
@@ -146,14 +153,14 @@ class ParameterGroup:
 
     def unshard(self) -> CommHandle:
         self.refresh_model_shard()
-        self.gathered_version = self.main_weight._version
+        self.gathered_version = self.main_version()
         with torch.no_grad():
             return self.weights.all_gather()
 
     @property
     def stale(self) -> bool:
         """True when the optimizer changed the main weights after the last gather."""
-        return self.main_weight._version != self.gathered_version
+        return self.main_version() != self.gathered_version
 
     def reshard(self) -> None:
         self.weights.free_unsharded()

@@ -19,6 +19,14 @@ states created with ``zeros_like`` carry the true row counts too. Two ``RowShard
 row counts are unequal, so sharding-propagation caches never mix them up. One consequence: asking
 to ``redistribute`` to ``Shard(0)`` is a no-op that keeps our split (the result is still correct
 and self-consistent, just not ``torch.chunk``-shaped).
+
+Known limit (torch 2.13): ops whose sharding torch propagates in its C++ fast path (most
+out-of-place pointwise ops: ``p * 2``, ``p.clone()``, ``p.to(bf16)``) label their result with a
+fresh plain ``Shard(0)``, so such a *derived* DTensor's ``full_tensor()`` is wrong-sized. What we
+hand out keeps ``RowShard``: the parameters, their gradients, and optimizer states created with
+``zeros_like`` / ``empty_like`` and updated in place (Adam, AdamW, ...). For a derived tensor,
+rebuild it with :func:`row_sharded_dtensor` from ``.to_local()`` and the parameter's placement;
+state-dict code derives offsets from the parameter, never from such a result.
 """
 
 from __future__ import annotations
@@ -93,7 +101,7 @@ class RowShard(Shard):
 def row_sharded_dtensor(
     local: torch.Tensor, mesh: DeviceMesh, rows: Sequence[int], global_shape: Sequence[int]
 ) -> DTensor:
-    """Wrap ``local`` (this rank's rows, a view that must stay a view) as a row-sharded DTensor."""
+    """Wrap ``local`` (this rank's rows; kept as is, no copy) as a row-sharded DTensor."""
     shape = torch.Size(global_shape)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
