@@ -97,6 +97,28 @@ class FSDPModule:
             raise ValueError(f"prefetch depth must be >= 0, got {depth}")
         state.ctx.schedule.prefetch_depth = depth
 
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes the runtime owns on this rank for the units under this root.
+
+        ``persistent_bytes``: main weights, separate model-weight shards and main grads;
+        ``transient_peak_bytes`` / ``transient_live_bytes``: unsharded weights and gradient
+        buffers as counted by the shared allocator (peak since the last ``stats.reset_peak()``).
+        """
+        persistent = 0
+        for s in self._units(True):
+            for g in s.groups:
+                persistent += g.main_weight.numel() * g.main_weight.element_size()
+                if g.weights.shard is not g.main_weight:
+                    persistent += g.weights.shard.numel() * g.weights.shard.element_size()
+                if g.main_grad is not None:
+                    persistent += g.main_grad.numel() * g.main_grad.element_size()
+        stats = self.allocator.stats
+        return {
+            "persistent_bytes": persistent,
+            "transient_peak_bytes": stats.peak_bytes,
+            "transient_live_bytes": stats.live_bytes,
+        }
+
     @property
     def allocator(self) -> BucketAllocator:
         """The allocator shared by every unit under this unit's root (after the first forward)."""

@@ -1,0 +1,28 @@
+# Targets: venv, demo, test, bench-quick.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv demo test bench-quick
+
+venv: $(STAMP)
+
+# (Re)install only when setup.py is newer than the stamp.
+$(STAMP): setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -e '.[test]'
+	@touch $(STAMP)
+
+demo: venv
+	$(VENV)/bin/torchrun --nproc-per-node 2 -m mfsdp2.examples.demo
+
+test: venv
+	$(PY) -m pytest -q tests
+
+bench-quick: venv
+	@if [ -f benchmarks/compare_fsdp2.py ]; then \
+		$(PY) benchmarks/compare_fsdp2.py --quick; \
+	else \
+		echo "benchmarks/compare_fsdp2.py does not exist yet" >&2; exit 1; \
+	fi
