@@ -7,10 +7,16 @@ final backward callback.
   its backward is done.
 * **post-forward** (module forward hook): reshard (unless ``reshard_after_forward=False`` or this
   is the root, which backward needs first); hook the outputs so the unit unshards before its
-  backward runs. A forward that runs *inside* backward is an activation-checkpoint recompute: it
-  neither reshards nor re-registers hooks, and is not recorded in the schedule.
+  backward runs, and tell the schedule a backward will come. A forward that runs *inside*
+  backward is an activation-checkpoint recompute: it neither reshards nor re-registers hooks, and
+  is not recorded in the schedule. One exception: a unit whose forward ran under ``no_grad`` (a
+  *reentrant* checkpoint around the whole unit runs it so) has no hooked outputs; its grad-enabled
+  recompute in backward is where its backward starts, so that recompute does the pre-backward
+  work and threads its inputs through :class:`_PostBackward` (the checkpoint's inner backward then
+  runs the post-backward).
 * **pre-backward** (multi-grad hook on the outputs, mode "any"): queue the root's final callback
-  once per backward, unshard this unit and prefetch the next unit in reversed forward order.
+  once per backward, unshard this unit and prefetch the next units of the predicted backward
+  order (see :mod:`mfsdp2.schedule`).
 * **post-backward** (backward of :class:`_PostBackward`): pack gradients, issue the async
   reduce-scatter, keep at most two units' reductions in flight (sliding drain), reshard.
 * **final callback** (queued on the autograd engine): reduce what no hook reduced (units whose
@@ -43,19 +49,28 @@ def _in_backward() -> bool:
 
 # -- unshard / reshard ------------------------------------------------------------------------
 def unshard_async(state: FSDPState) -> None:
-    """Issue the unit's all-gathers (idempotent; re-gathers weights the optimizer has changed)."""
-    if state.shard_state is ShardState.UNSHARDED and any(g.stale for g in state.groups):
+    """Issue the unit's all-gathers (idempotent; re-gathers weights the optimizer has changed).
+
+    Stale covers a gather still in flight too: ``unshard(async_op=True)`` issued before
+    ``optimizer.step()`` gathered the old shards.
+    """
+    if state.shard_state is not ShardState.SHARDED and any(g.stale for g in state.groups):
         reshard(state)
-    if state.shard_state is not ShardState.SHARDED:
+    if state.shard_state not in (ShardState.SHARDED, ShardState.PARTIAL):
         return
+    partial = state.shard_state is ShardState.PARTIAL
     with trace_range(f"mfsdp2.unshard {state.name}"):
         event_log.record("ag_issue", state.name)
+        # Before the root context exists (an explicit unshard() ahead of the first forward) there
+        # is no allocator to count in; reshard releases from whichever allocator counted.
         alloc = state.ctx.allocator if state.ctx is not None else None
         state.pending_unshard = []
         for i, g in enumerate(state.groups):
-            state.pending_unshard.append(g.unshard())
+            # From a partial reshard only the rank block gathers (e.g. inside a node).
+            state.pending_unshard.append(g.unshard_from_group(state.post_forward_comm) if partial else g.unshard())
             if alloc is not None:
                 alloc.track(("weight", state.name, i), g.weights.nbytes)
+        state.weights_tracked_by = alloc
         state.shard_state = ShardState.UNSHARDING
 
 
@@ -71,21 +86,33 @@ def wait_unshard(state: FSDPState) -> None:
         state.shard_state = ShardState.UNSHARDED
 
 
-def reshard(state: FSDPState) -> None:
+def reshard(state: FSDPState, to_group: bool = False) -> None:
+    """Free the gathered parameters; ``to_group`` keeps what a gather inside the unit's rank
+    block needs (``reshard_after_forward=<int>``)."""
     if state.shard_state is ShardState.SHARDED:
+        return
+    if state.shard_state is ShardState.PARTIAL:
+        if not to_group:
+            for g in state.groups:
+                g.reshard()
+            state.shard_state = ShardState.SHARDED
         return
     with trace_range(f"mfsdp2.reshard {state.name}"):
         for h in state.pending_unshard:  # never free memory a collective is still writing
             h.wait()
         state.pending_unshard = []
-        alloc = state.ctx.allocator if state.ctx is not None else None
+        alloc = state.weights_tracked_by
         for i, g in enumerate(state.groups):
             g.register(unsharded=False)
-            g.reshard()
+            if to_group:
+                g.reshard_to_group(state.post_forward_comm)
+            else:
+                g.reshard()
             if alloc is not None:
                 alloc.untrack(("weight", state.name, i), g.weights.nbytes)
-        state.shard_state = ShardState.SHARDED
-        event_log.record("reshard", state.name)
+        state.weights_tracked_by = None
+        state.shard_state = ShardState.PARTIAL if to_group else ShardState.SHARDED
+        event_log.record("reshard_to_group" if to_group else "reshard", state.name)
 
 
 # -- root -------------------------------------------------------------------------------------
@@ -124,19 +151,33 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     lazy_init(state)
     ctx = state.ctx
     recompute = _in_backward()
-    if state.is_root and not recompute:
-        if ctx.callback_queued:
-            raise RuntimeError(f"mfsdp2: forward of {state.name!r} started while its backward is still running")
-        ctx.schedule.begin_forward()
-    if not recompute:
+    grad = torch.is_grad_enabled()
+    # A grad-enabled recompute of a unit that ran no grad-enabled forward this iteration: a
+    # reentrant checkpoint around the unit ran its forward under no_grad, and this recompute
+    # followed by the checkpoint's inner backward *is* the unit's backward.
+    backward_recompute = recompute and grad and not state.forward_with_grad
+    if backward_recompute:
+        state.backward_via_recompute = True  # learned: predict this unit's backward from now on
+        _pre_backward(state)
+    elif recompute:  # its pre-backward hook already gathered it; this only covers odd orders
+        unshard_async(state)
+        wait_unshard(state)
+    else:
+        if state.is_root:
+            if ctx.callback_queued:
+                raise RuntimeError(
+                    f"mfsdp2: forward of {state.name!r} started while its backward is still running "
+                    "(or a previous backward raised before finishing)"
+                )
+            ctx.schedule.begin_forward(grad)
         state.training_state = TrainingState.FORWARD
-    prefetch = ctx.schedule.on_forward(state) if not recompute else []
-    unshard_async(state)
-    for s in prefetch:
-        unshard_async(s)
-    wait_unshard(state)
+        prefetch = ctx.schedule.on_forward(state)
+        unshard_async(state)
+        for s in prefetch:
+            unshard_async(s)
+        wait_unshard(state)
     event_log.record("forward_begin", state.name)
-    if torch.is_grad_enabled() and not recompute:
+    if grad and (not recompute or backward_recompute):
         state.forward_with_grad = True
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -154,24 +195,36 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     state: FSDPState = module._mfsdp2_state
     event_log.record("forward_end", state.name)
     if _in_backward():  # activation-checkpoint recompute: its backward runs next, stay unsharded
-        return output
+        # Same output dtype as the original forward: the checkpoint compares what it recomputes.
+        return _cast_output(state, output)
     ctx = state.ctx
     grad = torch.is_grad_enabled()
     if not state.is_root and (state.reshard_after_forward or not grad):
-        reshard(state)
+        reshard(state, to_group=grad and state.post_forward_comm is not None)
     state.training_state = TrainingState.IDLE
+    backward_follows = False
     if grad:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, functools.partial(_pre_backward_hook, state), mode="any"
             )
+            backward_follows = True
+    elif state.backward_via_recompute and ctx.schedule.in_training_forward:
+        backward_follows = True  # a reentrant checkpoint will recompute it in backward, as last step
+    if backward_follows and not state.is_root:
+        state.expect_backward = True
+        ctx.schedule.expect_backward(state)
     if state.is_root:
         ctx.schedule.end_forward(record=grad)
         for s in ctx.states:
             # Eval passes keep nothing gathered; training passes drop mispredicted prefetches.
             if s.shard_state is not ShardState.SHARDED and (not grad or not s.forward_with_grad):
                 reshard(s)
+    return _cast_output(state, output)
+
+
+def _cast_output(state: FSDPState, output: Any) -> Any:
     if state.mp.output_dtype is not None:
         output = tree_map(functools.partial(_cast, dtype=state.mp.output_dtype), output)
     return output
@@ -179,6 +232,11 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
 
 # -- backward ---------------------------------------------------------------------------------
 def _pre_backward_hook(state: FSDPState, *unused: Any) -> None:
+    _pre_backward(state)
+
+
+def _pre_backward(state: FSDPState) -> None:
+    """Queue the final callback once per backward, gather this unit, prefetch the next ones."""
     ctx = state.ctx
     if not ctx.callback_queued:
         ctx.callback_queued = True
@@ -187,7 +245,7 @@ def _pre_backward_hook(state: FSDPState, *unused: Any) -> None:
     prefetch = ctx.schedule.on_backward(state)
     unshard_async(state)
     for s in prefetch:
-        if s.forward_with_grad:
+        if s.forward_with_grad or s.expect_backward:  # never gather a unit no backward will use
             unshard_async(s)
     wait_unshard(state)
     event_log.record("backward_begin", state.name)
@@ -257,9 +315,14 @@ def _final_callback(ctx: RootContext) -> None:
             for s in ctx.states:
                 if s.reshard_after_backward:
                     reshard(s)
+                if s.expect_backward and not s.forward_with_grad:
+                    # Predicted to be recomputed by a reentrant checkpoint, but it was not (the
+                    # model stopped checkpointing it): stop predicting its backward.
+                    s.backward_via_recompute = False
                 s.training_state = TrainingState.IDLE
                 s.forward_with_grad = False
                 s.post_backward_done = False
+                s.expect_backward = False
             ctx.schedule.end_backward()
             ctx.step += 1
         finally:

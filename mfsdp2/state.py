@@ -32,6 +32,7 @@ class ShardState(enum.Enum):
     SHARDED = "sharded"  # only the shards exist
     UNSHARDING = "unsharding"  # all-gather issued, not yet waited
     UNSHARDED = "unsharded"  # gathered and registered on the module
+    PARTIAL = "partial"  # reshard_after_forward=<int>: holds the shards its rank block needs
 
 
 class TrainingState(enum.Enum):
@@ -67,15 +68,24 @@ class FSDPState:
         self.shard_state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE
         self.pending_unshard: list = []
+        # The allocator that counted this unit's gathered weights at the last unshard (None: not
+        # counted, e.g. an explicit unshard() before the root context existed); reshard releases
+        # the count from that same allocator, so the statistics always balance.
+        self.weights_tracked_by: Optional[BucketAllocator] = None
         # Per-iteration flags, reset by the root's final backward callback.
         self.forward_with_grad = False
         self.post_backward_done = False
+        self.expect_backward = False  # a forward of this iteration will run a backward (prefetch it)
+        # Learned across iterations: this unit's backward arrives as a recompute of a forward that
+        # ran under no_grad (reentrant activation checkpointing around the whole unit).
+        self.backward_via_recompute = False
         # User controls (FSDP2 names).
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
         self.is_last_backward = True
         self.forward_prefetch: Optional[list[FSDPState]] = None  # explicit overrides of the schedule
         self.backward_prefetch: Optional[list[FSDPState]] = None
+        self.post_forward_comm = None  # block communicator for reshard_after_forward=<int>
 
     def __repr__(self) -> str:
         return f"FSDPState({self.name!r}, {self.shard_state.value}, {self.training_state.value})"
