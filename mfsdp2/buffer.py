@@ -108,6 +108,31 @@ class DataParallelBuffer:
         mine.copy_(self.shard)
         return self.comm.all_gather(self._writer, mine)
 
+    # -- partial reshard (reshard_after_forward=<int>) -------------------------------------------
+    # With groups of ``k`` consecutive ranks, rank ``r`` (local index ``l = r % k``) keeps the
+    # ``N/k`` shards ``l, l+k, l+2k, ...``: the ``k`` ranks of its group then hold every shard
+    # between them, and the backward unshard is a gather inside the group (e.g. inside a node).
+    def keep_for_group(self, k: int) -> torch.Tensor:
+        """Copy out this rank's ``N/k`` shards of the gathered buffer, then free the full storage."""
+        N, S = self.layout.world_size, self.layout.shard_numel
+        kept = self._writer.view(N // k, k, S)[:, self.rank % k].clone()
+        self.free_unsharded()
+        return kept
+
+    def all_gather_in_group(self, kept: torch.Tensor, sub: Communicator) -> CommHandle:
+        """Rebuild the full buffer from the group's kept shards (one strided copy after the wait)."""
+        N, S = self.layout.world_size, self.layout.shard_numel
+        k = sub.world_size
+        self.materialize()
+        staging = torch.empty(N * S, dtype=self.dtype, device=self.device)
+
+        def place() -> None:
+            # staging is [local rank l'][m] = shard m*k + l'; the buffer wants shard order.
+            self._writer.view(N // k, k, S).copy_(staging.view(k, N // k, S).transpose(0, 1))
+
+        h = sub.all_gather(staging, kept.reshape(-1))
+        return CommHandle(then=lambda: (h.wait(), place()))
+
     def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, op) -> CommHandle:
         """Reduce a full-size flat tensor into ``out`` (shard size, must not alias ``full``)."""
         return self.comm.reduce_scatter(out, full, op)

@@ -60,13 +60,15 @@ def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class CommHandle:
-    """A collective in flight. ``wait()`` is idempotent."""
+    """A collective in flight. ``wait()`` is idempotent; ``then`` runs once after the wait
+    (e.g. a copy-out that must not start before the collective is done)."""
 
-    __slots__ = ("_work", "_event")
+    __slots__ = ("_work", "_event", "_then")
 
-    def __init__(self, work=None, event=None):
+    def __init__(self, work=None, event=None, then=None):
         self._work = work
         self._event = event
+        self._then = then
 
     def wait(self) -> None:
         if self._work is not None:
@@ -75,10 +77,13 @@ class CommHandle:
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
             self._event = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
 
     @property
     def pending(self) -> bool:
-        return self._work is not None or self._event is not None
+        return self._work is not None or self._event is not None or self._then is not None
 
 
 _DONE = CommHandle()
@@ -96,6 +101,26 @@ class Communicator:
         self.ag_stream = torch.cuda.Stream(device) if cuda else None
         self.rs_stream = torch.cuda.Stream(device) if cuda else None
         self.ar_stream = torch.cuda.Stream(device) if cuda else None
+        self._subgroups: dict = {}
+
+    def subgroup(self, size: int) -> "Communicator":
+        """The communicator of this rank's block of ``size`` consecutive ranks of the group.
+
+        Collective: every rank of the group must call it (``dist.new_group`` for every block, in
+        the same order). Cached, so later calls are local.
+        """
+        key = ("sub", size)
+        if key not in self._subgroups:
+            if size < 1 or self.world_size % size:
+                raise ValueError(f"subgroup size {size} must divide the group size {self.world_size}")
+            ranks = dist.get_process_group_ranks(self.group)
+            mine = None
+            for start in range(0, self.world_size, size):
+                g = dist.new_group(ranks[start : start + size])
+                if start <= self.rank < start + size:
+                    mine = g
+            self._subgroups[key] = Communicator(mine, self.device)
+        return self._subgroups[key]
 
     def _launch(self, stream, fn) -> CommHandle:
         if stream is None:

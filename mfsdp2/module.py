@@ -194,23 +194,21 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: Optional[DeviceMesh] = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: Union[bool, int] = True,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     allocator: Union[str, BucketAllocator, None] = None,
 ) -> nn.Module:
     """Shard ``module``'s own parameters over ``mesh`` and make it an :class:`FSDPModule`.
 
-    Apply to children first and the root last. ``allocator`` is read from the root only
+    Apply to children first and the root last. ``reshard_after_forward``: ``True`` frees the
+    gathered parameters after forward, ``False`` keeps them for backward, an int ``k`` (a divisor
+    of the group size, e.g. ranks per node) keeps ``N/k`` shards so backward gathers only inside
+    blocks of ``k`` consecutive ranks. ``allocator`` is read from the root only
     (``"caching"`` default, ``"dynamic"``, or a :class:`~mfsdp2.allocator.BucketAllocator`).
     """
     if isinstance(module, FSDPModule):
         raise ValueError(
             f"mfsdp2: fully_shard was already applied to this {type(module).__name__}; apply it once per module"
-        )
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        raise ValueError(
-            "mfsdp2: reshard_after_forward=<int> (resharding to a smaller group) is not supported yet; "
-            "use True or False"
         )
     mesh = mesh if mesh is not None else _default_mesh()
     if mesh.ndim != 1:
@@ -220,6 +218,19 @@ def fully_shard(
     if mesh.get_coordinate() is None:
         raise ValueError("mfsdp2: this rank is not part of the given mesh")
     comm = _communicator(mesh)
+    post_forward_comm = None
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        k = reshard_after_forward
+        if k < 1 or comm.world_size % k:
+            raise ValueError(
+                f"mfsdp2: reshard_after_forward={k} must be True, False or a divisor of the shard "
+                f"group size {comm.world_size} (e.g. the number of ranks per node)"
+            )
+        # k == world size is a full reshard; k == 1 keeps everything (False), as in FSDP2.
+        if k == comm.world_size or k == 1:
+            reshard_after_forward = k == comm.world_size
+        else:
+            post_forward_comm = comm.subgroup(k)  # collective: all ranks create the groups together
     name = type(module).__name__  # renamed to its path under the root at the first forward
     infos, params = _collect(module, comm.device)
 
@@ -236,6 +247,7 @@ def fully_shard(
         for idx in by_key.values()
     ]
     state = FSDPState(module, name, mesh, comm, groups, mp_policy, reshard_after_forward, allocator)
+    state.post_forward_comm = post_forward_comm
     for g in groups:
         g.register(unsharded=False)
 

@@ -90,6 +90,7 @@ class ParameterGroup:
         self._cast_version = -1
         self.casts = 0  # main -> model casts done (tests check: once per optimizer step)
         self.gathered_version = -1
+        self.kept: Optional[torch.Tensor] = None  # shards kept by a partial reshard (int reshard_after_forward)
         self.main_grad: Optional[torch.Tensor] = None  # created at the first reduction
         self.dist_params: list[nn.Parameter] = []
         self.unsharded_params: list[nn.Parameter] = []
@@ -164,6 +165,16 @@ class ParameterGroup:
 
     def reshard(self) -> None:
         self.weights.free_unsharded()
+        self.kept = None
+
+    def reshard_to_group(self, sub: Communicator) -> None:
+        """Keep what a gather inside ``sub`` (a block of consecutive ranks) needs; free the rest."""
+        self.kept = self.weights.keep_for_group(sub.world_size)
+
+    def unshard_from_group(self, sub: Communicator) -> CommHandle:
+        kept, self.kept = self.kept, None
+        with torch.no_grad():
+            return self.weights.all_gather_in_group(kept, sub)
 
     # -- gradients ----------------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:

@@ -120,3 +120,53 @@ def test_llama_tiny_parity():
     for name, ref in ref_params.items():
         _assert_close_rel(full[name], ref, name)
     assert ref_losses[-1] < ref_losses[0]
+
+
+def _int_reshard(rank, ws, k):
+    """reshard_after_forward=k: backward gathers only inside blocks of k ranks."""
+    mesh = init_device_mesh("cpu", (ws,))
+    model = build("net")
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, reshard_after_forward=k)
+    fully_shard(model, mesh=mesh)
+    opt = make_opt("adamw", model.parameters())
+    sizes = []
+    orig = dist.all_gather_single
+
+    def spy(out, inp, group=None, async_op=False):
+        sizes.append(dist.get_world_size(group))
+        return orig(out, inp, group=group, async_op=async_op)
+
+    dist.all_gather_single = spy
+    losses = []
+    n = GLOBAL_BATCH // ws
+    try:
+        for step in range(STEPS):
+            x, y = batch(step, GLOBAL_BATCH, model.inp.in_features)
+            sizes.clear()
+            loss = loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+            losses.append(t.item() / ws)
+    finally:
+        dist.all_gather_single = orig
+    full = {k_: p.full_tensor() for k_, p in model.named_parameters()}
+    return losses, full, sorted(sizes)
+
+
+@pytest.mark.slow
+def test_reshard_after_forward_int_gathers_inside_rank_blocks():
+    ref_losses, ref_params = reference_run("net", "adamw", STEPS, GLOBAL_BATCH)
+    results = run_ranks(_int_reshard, 4, 2)
+    n_blocks = 3
+    for rank, (losses, full, sizes) in enumerate(results):
+        for step, (a, b) in enumerate(zip(losses, ref_losses)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: {a} vs {b}"
+        for name, ref in ref_params.items():
+            _assert_close_rel(full[name], ref, f"rank {rank} {name}")
+        # Last step: root + blocks gathered over all 4 ranks in forward; blocks re-gathered in
+        # backward inside their block of 2 ranks only.
+        assert sizes == [2] * n_blocks + [4] * (n_blocks + 1), sizes
