@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .profiling import event_log, trace_range
 from .state import FSDPState, RootContext, ShardState, TrainingState
 
-__all__ = ["pre_forward", "post_forward", "unshard_async", "wait_unshard", "reshard", "lazy_init"]
+__all__ = ["pre_forward", "post_forward", "unshard_async", "wait_unshard", "reshard", "lazy_init", "reset"]
 
 logger = logging.getLogger(__name__)
 
@@ -327,3 +327,21 @@ def _final_callback(ctx: RootContext) -> None:
             ctx.step += 1
         finally:
             ctx.callback_queued = False
+
+
+def reset(ctx: RootContext) -> None:
+    """Return every unit under the root to a clean sharded state after an exception in forward or
+    backward, so training can continue: in-flight collectives are waited for (never freed under),
+    this step's partial gradients are dropped, the pass in progress is forgotten."""
+    for s in ctx.states:
+        for g in s.groups:
+            g.abort(ctx.allocator)
+        reshard(s)
+        s.training_state = TrainingState.IDLE
+        s.forward_with_grad = False
+        s.post_backward_done = False
+        s.expect_backward = False
+    ctx.reduce_queue.clear()
+    ctx.callback_queued = False
+    ctx.schedule.abandon_pass()
+    event_log.record("reset", ctx.root.name)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from .allocator import BucketAllocator
 from .comm import Communicator
-from .hooks import lazy_init, post_forward, pre_forward, reshard, unshard_async, wait_unshard
+from .hooks import lazy_init, post_forward, pre_forward, reset, reshard, unshard_async, wait_unshard
 from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ParameterGroup, ParamInfo
 from .state import FSDPState
@@ -65,6 +65,13 @@ class FSDPModule:
     def reshard(self) -> None:
         """Free this unit's gathered parameters and put the sharded ones back on the module."""
         reshard(self._mfsdp2_state)
+
+    def reset(self) -> None:
+        """After an exception in forward or backward: wait for in-flight collectives, drop this
+        step's partial gradients and reshard every unit under the root, so training can go on."""
+        state = self._mfsdp2_state
+        if state.ctx is not None:
+            reset(state.ctx)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: accumulate unsharded gradients locally (no reduce-scatter) until set back to True."""

@@ -213,6 +213,18 @@ class ParameterGroup:
             handle = self.weights.reduce_scatter(full, out, dist.ReduceOp.AVG)
         self._pending_reduce = (handle, full, out, tuple(has_grad), key)
 
+    def abort(self, allocator: BucketAllocator) -> None:
+        """Drop this step's gradient work after an exception: wait for (never free under) an
+        in-flight reduce-scatter, discard it, and drop unsharded gradients."""
+        if self._pending_reduce is not None:
+            handle, _, _, _, key = self._pending_reduce
+            self._pending_reduce = None
+            handle.wait()
+            allocator.free(("grad", key))
+            allocator.free(("rs_out", key))
+        for up in self.unsharded_params:
+            up.grad = None
+
     @property
     def reduce_pending(self) -> bool:
         return self._pending_reduce is not None

@@ -134,3 +134,10 @@ class Schedule:
             self.mispredictions += 1
         self._bwd = None
         self._bwd_record = []
+
+    def abandon_pass(self) -> None:
+        """Forget the pass in progress (after an exception); the recorded order is kept."""
+        self._fwd = None
+        self._fwd_grad = False
+        self._bwd = None
+        self._bwd_record = []

@@ -282,3 +282,45 @@ def test_clear_errors():
     assert "'norm.weight' of Block" in msgs[1] and "wrap children first" in msgs[1]
     assert "0-dimensional" in msgs[2] and "'s'" in msgs[2]
     assert "meta device" in msgs[3]
+
+
+class _Boom(Exception):
+    pass
+
+
+def _reset_after_exception(rank, ws):
+    mesh = init_device_mesh("cpu", (ws,))
+    model = build("net")
+    ref = build("net")
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = make_opt("sgd", model.parameters())
+    ropt = make_opt("sgd", ref.parameters())
+    fail = {"on": False}
+
+    def maybe_raise(module, args):
+        if fail["on"]:
+            raise _Boom("injected failure inside blocks.1's forward")
+
+    model.blocks[1].register_forward_pre_hook(maybe_raise)
+    for step in range(4):
+        x, y = batch(step, 8, 12)
+        fail["on"] = step == 1
+        try:
+            loss_fn(model(x[rank * 4 : rank * 4 + 4]), y[rank * 4 : rank * 4 + 4]).backward()
+        except _Boom:
+            model.reset()  # blocks.0 and the root are unsharded mid-forward; clean up and go on
+            opt.zero_grad()
+            assert all(not g.is_unsharded for m in model.modules() if hasattr(m, "_mfsdp2_state") for g in m._mfsdp2_state.groups)
+            continue
+        opt.step()
+        opt.zero_grad()
+        loss_fn(ref(x), y).backward()
+        ropt.step()
+        ropt.zero_grad()
+    return all(torch.allclose(p.full_tensor(), ref.get_parameter(n), rtol=1e-5, atol=1e-6) for n, p in model.named_parameters())
+
+
+def test_reset_after_exception_in_forward_lets_training_continue():
+    assert all(run_ranks(_reset_after_exception, 2))
