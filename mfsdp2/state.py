@@ -21,7 +21,6 @@ from .mixed_precision import MixedPrecisionPolicy
 
 if TYPE_CHECKING:
     from .param_group import ParameterGroup
-    from .schedule import Schedule
 
 __all__ = ["ShardState", "TrainingState", "FSDPState", "RootContext"]
 
@@ -99,12 +98,12 @@ class RootContext:
     """State shared by all units under one root."""
 
     def __init__(self, root: FSDPState, states: list[FSDPState], allocator: BucketAllocator):
-        from .schedule import Schedule
+        from .schedule import Schedule  # here: schedule.py type-imports this module
 
         self.root = root
         self.states = states  # pre-order (root first), i.e. module registration order
         self.allocator = allocator
-        self.schedule: Schedule = Schedule(states)
+        self.schedule = Schedule(states)
         self.callback_queued = False
         self.reduce_queue: list[FSDPState] = []  # units with a reduce-scatter in flight, oldest first
         self.step = 0

@@ -82,3 +82,18 @@ def reference_run(kind: str, opt_kind: str, steps: int, global_batch: int):
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def sharded_train_step(model, opt, step: int, rank: int, ws: int, global_batch: int) -> float:
+    """One step on this rank's slice of the global batch; returns the mean loss over ranks."""
+    import torch.distributed as dist
+
+    n = global_batch // ws
+    x, y = batch(step, global_batch, model.inp.in_features)
+    loss = loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return t.item() / ws

@@ -4,7 +4,6 @@ clear errors."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn

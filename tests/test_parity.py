@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from mfsdp2 import FSDPModule, fully_shard
 
 from ._dist import run_ranks
-from .models import batch, build, loss_fn, make_opt, reference_run
+from .models import build, make_opt, reference_run, sharded_train_step
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -19,24 +19,13 @@ GLOBAL_BATCH = 8
 def _train(rank, ws, kind, opt_kind, wrap):
     mesh = init_device_mesh("cpu", (ws,))
     model = build(kind)
-    d_in = model.inp.in_features
     if wrap == "blocks+root":
         for b in model.blocks:
             fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
     assert isinstance(model, FSDPModule)
     opt = make_opt(opt_kind, [p for p in model.parameters() if p.requires_grad])
-    losses = []
-    n = GLOBAL_BATCH // ws
-    for step in range(STEPS):
-        x, y = batch(step, GLOBAL_BATCH, d_in)
-        loss = loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / ws)
+    losses = [sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH) for step in range(STEPS)]
     full = {k: p.full_tensor() for k, p in model.named_parameters()}
     return losses, full
 
@@ -139,18 +128,10 @@ def _int_reshard(rank, ws, k):
 
     dist.all_gather_single = spy
     losses = []
-    n = GLOBAL_BATCH // ws
     try:
         for step in range(STEPS):
-            x, y = batch(step, GLOBAL_BATCH, model.inp.in_features)
             sizes.clear()
-            loss = loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t = loss.detach().clone()
-            dist.all_reduce(t)
-            losses.append(t.item() / ws)
+            losses.append(sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH))
     finally:
         dist.all_gather_single = orig
     full = {k_: p.full_tensor() for k_, p in model.named_parameters()}
