@@ -10,7 +10,8 @@ setup(
     # 2.13.0 that lies on disk; an unpinned torch would pull a multi-GB CUDA build.
     install_requires=["torch==2.13.0", "nvtx", "numpy"],
     extras_require={
-        "test": ["pytest", "hypothesis", "pytest-timeout"],
+        "test": ["pytest", "hypothesis", "pytest-timeout", "safetensors", "transformers"],
+        "hf": ["safetensors"],  # mfsdp2.checkpoint.hf imports it lazily
         "te": ["transformer-engine"],
     },
 )

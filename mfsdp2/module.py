@@ -266,4 +266,7 @@ def fully_shard(
     module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(post_forward, always_call=False, with_kwargs=True)
     logger.debug("mfsdp2: %s -> %d groups: %s", name, len(groups), [g.layout.describe() for g in groups])
+    from .state_dict import register_state_dict_hooks  # imported here: no import cycle at package load
+
+    register_state_dict_hooks(module)  # state_dict() from / load_state_dict() into the main weights
     return module

@@ -27,6 +27,13 @@ hand out keeps ``RowShard``: the parameters, their gradients, and optimizer stat
 ``zeros_like`` / ``empty_like`` and updated in place (Adam, AdamW, ...). For a derived tensor,
 rebuild it with :func:`row_sharded_dtensor` from ``.to_local()`` and the parameter's placement;
 state-dict code derives offsets from the parameter, never from such a result.
+
+Known limit (cache aliasing): because ``RowShard`` equals ``Shard(0)``, DTensor's process-wide
+caches (sharding propagation, redistribute plans) can hand a plan made for a plain ``Shard(0)``
+DTensor of the same mesh, shape and dtype to one of ours, or the reverse. Keep torch FSDP2 /
+``distribute_tensor`` tensors of identical shapes out of the process that trains with mfsdp2
+(checkpoints move freely between the two); :mod:`mfsdp2.checkpoint` gathers with plain
+collectives rather than ``full_tensor()`` for this reason.
 """
 
 from __future__ import annotations

@@ -1,0 +1,145 @@
+"""Model state dicts of mfsdp2 units: the hooks ``fully_shard`` registers.
+
+**Saving.** A unit's sharded parameters already *are* what a sharded checkpoint wants: DTensors
+with the original names and global shapes, in fp32 main-weight precision, whose ``RowShard``
+placement gives DCP the true rows of every rank. The state-dict post-hook only
+
+* swaps in the sharded DTensors when the unit happens to be gathered (its module then holds the
+  unsharded compute-dtype views, which must never reach a checkpoint), and
+* rebuilds each entry as a fresh ``RowShard`` DTensor over the same main-weight memory, so that an
+  empty piece can be told to write nothing (the tag lives on the entry's own local tensor, not on
+  the optimizer-facing parameter).
+
+**Loading** writes straight into the main-weight shards, in full precision: the pre-hook turns
+whatever arrives (our DTensors, DTensors of another layout or world size, torch FSDP2's
+``Shard(0)`` chunks, ``Replicate`` DTensors, plain full tensors) into this rank's rows, copies them
+into the main-weight piece and hands the default loader the parameter itself (a no-op self-copy).
+Model weights in a lower compute dtype are *not* copied here: the write bumps the main weights'
+version counter and the next unshard re-casts main -> model once, like after an optimizer step. A
+checkpoint is never routed through the compute-dtype copy, which would round fp32 main weights to
+bf16 (the precision regression the Megatron review warned about).
+
+A plain ``Shard(0)`` label is ambiguous for our uneven layouts: torch puts it on genuine
+``torch.chunk`` shards (``distribute_tensor``, FSDP2) and also on results derived from our
+parameters by out-of-place ops, whose locals hold *our* rows. When the two layouts differ, one
+all-reduce over the ranks' local row counts decides which it is.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from ..placement import RowShard
+from ._common import check_loadable, full_of, global_rows, mark_write_nothing, relabel_rows, row_range
+
+__all__ = ["register_state_dict_hooks"]
+
+logger = logging.getLogger(__name__)
+
+
+def register_state_dict_hooks(module: nn.Module) -> None:
+    """Called at the end of ``fully_shard``: hooks for ``state_dict`` / ``load_state_dict``."""
+    module.register_state_dict_post_hook(_state_dict_post_hook)
+    module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+    # Empty pieces of the parameters themselves write nothing either (state_dict(keep_vars=True)).
+    for g in module._mfsdp2_state.groups:
+        for i, dp in enumerate(g.dist_params):
+            if g.layout.piece(i, g.rank).numel == 0 and dp.numel() > 0:
+                mark_write_nothing(dp)
+
+
+def _own_entries(state, prefix: str):
+    """``(key, dist_param, rows)`` for every name of every parameter this unit owns."""
+    for g in state.groups:
+        for i, owners in enumerate(g.infos):
+            dp = g.dist_params[i]
+            rows = g.layout.rows_per_rank(i)
+            for info in owners:
+                yield prefix + info.fqn, dp, rows
+
+
+def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    for key, dp, rows in _own_entries(module._mfsdp2_state, prefix):
+        if key not in state_dict:
+            continue
+        if isinstance(state_dict[key], nn.Parameter):  # keep_vars=True: the parameter object itself
+            state_dict[key] = dp
+        else:
+            state_dict[key] = relabel_rows(dp._local_tensor.detach(), dp, rows)
+
+
+def _same_memory(src: DTensor, dp: DTensor) -> bool:
+    a, b = src.to_local(), dp._local_tensor
+    return a.shape == b.shape and (a.numel() == 0 or a.data_ptr() == b.data_ptr())
+
+
+def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    state = module._mfsdp2_state
+    entries = [(k, dp, rows) for k, dp, rows in _own_entries(state, prefix) if k in state_dict]
+    if not entries:
+        return
+    check_loadable(state)
+    with torch.no_grad():
+        _write_main_weights(entries, state_dict)
+
+
+def _write_main_weights(entries, state_dict) -> None:
+    """Copy each entry's rows of this rank into the main-weight piece; same decisions on every rank.
+
+    Every branch depends only on placements and global shapes (identical on all ranks) or on the
+    one all-reduce below, so the gathers line up across ranks.
+    """
+    plans = []  # (key, dp, rows, src, how) with how in {"skip", "local", "slice", "full", "ask"}
+    for key, dp, rows in entries:
+        src = state_dict[key]
+        if src is dp:
+            how = "skip"
+        elif not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(dp.shape):
+            how = "skip"  # the default loader reports the type or size mismatch
+        elif not isinstance(src, DTensor):
+            how = "slice"  # a plain tensor is the full value
+        elif src.device_mesh.ndim != 1 or src.device_mesh.size(0) != len(rows):
+            how = "full"
+        elif all(isinstance(p, Replicate) for p in src.placements):
+            how = "slice"
+        else:
+            src_rows = global_rows(src)
+            if src_rows is None:
+                how = "full"
+            elif src_rows == tuple(rows):
+                how = "skip" if _same_memory(src, dp) else "local"
+            elif isinstance(src.placements[0], RowShard):
+                how = "full"
+            else:
+                how = "ask"  # plain Shard(0): torch.chunk rows, or ours under a lying label?
+        plans.append([key, dp, rows, src, how])
+
+    asks = [p for p in plans if p[4] == "ask"]
+    if asks:
+        rank = asks[0][1].device_mesh.get_local_rank(0)
+        ours = torch.tensor([int(p[3].to_local().shape[0] == p[2][rank]) for p in asks], dtype=torch.int32)
+        dist.all_reduce(ours, op=dist.ReduceOp.MIN, group=asks[0][1].device_mesh.get_group())
+        for p, flag in zip(asks, ours.tolist()):
+            p[4] = "local" if flag else "full"
+            logger.debug("mfsdp2: %s is labelled Shard(0); read as %s rows", p[0], "our" if flag else "torch.chunk")
+
+    for key, dp, rows, src, how in plans:
+        if how == "skip":
+            if src is not dp and isinstance(src, DTensor) and tuple(src.shape) == tuple(dp.shape):
+                state_dict[key] = dp  # same memory: nothing to copy
+            continue
+        rank = dp.device_mesh.get_local_rank(0)
+        s, e = row_range(rows, rank)
+        if how == "local":
+            rows_here = src.to_local()
+        elif how == "slice":
+            rows_here = (src.to_local() if isinstance(src, DTensor) else src)[s:e]
+        else:
+            rows_here = full_of(src)[s:e]
+        dp._local_tensor.copy_(rows_here)
+        state_dict[key] = dp  # the default loader's copy is then a self-copy
