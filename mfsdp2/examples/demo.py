@@ -55,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="shard with torch.distributed.fsdp.fully_shard instead of mfsdp2 (for comparison)",
     )
+    p.add_argument(
+        "--profile",
+        metavar="PATH",
+        default=None,
+        help="record the last step with torch.profiler and write rank 0's Chrome trace to PATH",
+    )
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
@@ -169,6 +175,10 @@ def _train(args: argparse.Namespace) -> int:
         inputs = rank_slice(inputs, rank, world)
         targets = rank_slice(targets, rank, world)
 
+        prof = None
+        if args.profile and step == args.steps - 1:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
         t0 = time.perf_counter()
         logits = model(inputs)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
@@ -176,6 +186,11 @@ def _train(args: argparse.Namespace) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
         local_time = time.perf_counter() - t0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            if is_main:
+                prof.export_chrome_trace(args.profile)
+                print(f"wrote a torch.profiler trace of step {step + 1} to {args.profile}", flush=True)
 
         stats = torch.tensor([loss.detach().item(), local_time], dtype=torch.float64)
         loss_sum = stats[:1].clone()
