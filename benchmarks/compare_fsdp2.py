@@ -112,12 +112,41 @@ def _rss_phase(framework: str, ref, name: str, config: str, mesh, rank: int, ws:
     return out
 
 
+def _alias_skipping_tracker_cls():
+    from torch.distributed._tools.common_utils import get_untyped_storages
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class AliasSkippingTracker(MemTracker):
+        """MemTracker that ignores mfsdp2's gathered-weight storages: they are non-owning aliases
+        of allocator blocks (counted through the blocks, registered as external tensors), and the
+        tracker would otherwise count each alias at full size for as long as it lives."""
+
+        def __init__(self, skip: set):
+            super().__init__()
+            self._skip = skip
+
+        def _aliased(self, t) -> bool:
+            return any(st._cdata in self._skip for st in get_untyped_storages(t))
+
+        def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
+            return set() if self._aliased(t) else super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
+        def _track(self, reftype, t):
+            if not self._aliased(t):
+                super()._track(reftype, t)
+
+    return AliasSkippingTracker
+
+
+def _AliasSkippingTracker(skip: set):
+    return _alias_skipping_tracker_cls()(skip)
+
+
 def _tensor_phase(framework: str, ref, name: str, config: str, mesh, rank: int, ws: int, steps: int,
                   first_step: int) -> dict:
     """Peak tensor memory of one framework alone: fresh model, one warm-up step, then ``steps``
     steps under torch's tracker (FSDPMemTracker for FSDP2, MemTracker for mfsdp2)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     model = C.shard(copy.deepcopy(ref), framework, config, mesh)
     opt = C.make_optimizer(model.parameters())
@@ -127,14 +156,13 @@ def _tensor_phase(framework: str, ref, name: str, config: str, mesh, rank: int, 
     if framework == "mfsdp2":
         alloc = model.allocator
         alloc.stats.reset_peak()
-        tracker = MemTracker()
+        tracker = _AliasSkippingTracker(C.mfsdp2_gathered_storages(model))
         extra = []  # tensors mfsdp2 holds outside the module's parameters
         for g in C.mfsdp2_groups(model):
             extra += [g.main_weight, g.weights.shard]
             if g.main_grad is not None:
                 extra.append(g.main_grad)
-        for bucket in getattr(alloc, "_free", {}).values():
-            extra += list(bucket)
+        extra += C.mfsdp2_allocator_memory(alloc)  # cached blocks / pools: counted in full, always
         tracker.track_external(model, opt, *extra)
         tracker.track_external(x, y)
     else:

@@ -3,7 +3,7 @@
 See ``docs/design.md`` for the lifecycle, buffer layout, streams and allocator.
 """
 
-from .allocator import BucketAllocator, CachingAllocator, DynamicAllocator
+from .allocator import BucketAllocator, CachingAllocator, DynamicAllocator, TracePoolAllocator
 from .comm import comm_stats
 from .layout import BufferLayout, plan_layout
 from .mixed_precision import MixedPrecisionPolicy
@@ -21,5 +21,6 @@ __all__ = [
     "BucketAllocator",
     "CachingAllocator",
     "DynamicAllocator",
+    "TracePoolAllocator",
     "comm_stats",
 ]

@@ -1,4 +1,5 @@
-"""Allocators for the runtime's transient flat buffers (unsharded gradients, reduce-scatter outputs).
+"""Allocators for the runtime's transient flat buffers (gathered weights, unsharded gradients,
+reduce-scatter outputs and receive scratch).
 
 Why the runtime has its own: torch FSDP2 allocates these buffers fresh on every use. On CPU a
 buffer above glibc's mmap threshold (32 MiB after adaptation) is returned to the OS on free, so
@@ -8,7 +9,20 @@ removes the churn.
 
 Interface: ``allocate(key, numel, dtype, device) -> Tensor`` and ``free(key)``; the key names the
 buffer's role (e.g. ``("grad", unit, group)``) so a trace-based allocator can recognise a step's
-pattern. Statistics: live bytes, peak live bytes and the number of underlying allocations.
+pattern; ``mark_step(tag)`` tells it where a step begins. Statistics: live bytes, peak live bytes
+and the number of underlying allocations.
+
+Three implementations, chosen with ``fully_shard(root, allocator=...)``:
+
+* ``"dynamic"`` (:class:`DynamicAllocator`): fresh memory per request, what torch FSDP2 does;
+* ``"caching"`` (:class:`CachingAllocator`, default): reuses freed blocks of the same size;
+* ``"trace_pool"`` (:class:`TracePoolAllocator`): records a step, plans offsets in one pool per
+  (device, dtype) (:mod:`mfsdp2.pool_plan`) and serves the next steps from it.
+
+On CUDA no event bookkeeping is needed for reuse: the runtime frees a block in program order on
+the current stream, after the collective that used it was waited (the current stream waits on
+the side stream's event), and every side-stream collective first waits on the current stream.
+So a block's next user is always ordered after its last one, with no ``record_stream``.
 """
 
 from __future__ import annotations
@@ -20,7 +34,14 @@ from typing import Hashable
 
 import torch
 
-__all__ = ["AllocatorStats", "BucketAllocator", "DynamicAllocator", "CachingAllocator", "make_allocator"]
+__all__ = [
+    "AllocatorStats",
+    "BucketAllocator",
+    "DynamicAllocator",
+    "CachingAllocator",
+    "TracePoolAllocator",
+    "make_allocator",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +99,9 @@ class BucketAllocator:
         self.stats._add(key, t.numel() * t.element_size(), -1)
         self._release(t)
 
-    def track(self, key: Hashable, nbytes: int) -> None:
-        """Count a buffer whose memory lives elsewhere (an unsharded weight storage resized in place)."""
-        self.stats._add(key, nbytes, +1)
-
-    def untrack(self, key: Hashable, nbytes: int) -> None:
-        self.stats._add(key, nbytes, -1)
+    def mark_step(self, tag: Hashable = None) -> None:
+        """A step (the root's forward and what follows it) begins; ``tag`` says what kind
+        (the runtime passes whether grad is enabled and whether gradients sync)."""
 
     def is_live(self, key: Hashable) -> bool:
         return key in self._live
@@ -120,13 +138,25 @@ class CachingAllocator(BucketAllocator):
     def cached_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for b in self._free.values() for t in b)
 
+    def release_cached(self) -> None:
+        """Drop the free blocks (live ones are untouched), e.g. once a pool has replaced them."""
+        self._free.clear()
+
 
 def make_allocator(spec) -> BucketAllocator:
-    """``"caching"`` (default), ``"dynamic"`` or a :class:`BucketAllocator` instance."""
+    """``"caching"`` (default), ``"dynamic"``, ``"trace_pool"`` or a :class:`BucketAllocator` instance."""
     if isinstance(spec, BucketAllocator):
         return spec
     if spec in (None, "caching"):
         return CachingAllocator()
     if spec == "dynamic":
         return DynamicAllocator()
-    raise ValueError(f"unknown allocator {spec!r}: use 'caching', 'dynamic' or a BucketAllocator instance")
+    if spec == "trace_pool":
+        return TracePoolAllocator()
+    raise ValueError(
+        f"unknown allocator {spec!r}: use 'caching', 'dynamic', 'trace_pool' or a BucketAllocator instance"
+    )
+
+
+# The trace pool lives in its own module; imported last because it subclasses the classes above.
+from .trace_pool import TracePoolAllocator  # noqa: E402

@@ -1,12 +1,20 @@
 """DataParallelBuffer: a planned flat buffer's shard and its unsharded (gathered) storage.
 
-Zero-copy gather: the unsharded buffer is one persistent tensor whose *storage* is resized to the
-full size for an unshard and back to 0 bytes for a reshard. Every parameter is a fixed view into it
-(:meth:`param_views`), so
+Zero-copy gather: the unsharded buffer is one persistent tensor whose *storage object* lives as
+long as the buffer; an unshard points that storage at a block from the runtime's allocator and a
+reshard points it at nothing (0 bytes) and hands the block back. Every parameter is a fixed view
+into it (:meth:`param_views`), so
 
 * the all-gather writes the parameters in place: its input is this rank's slice of its output;
 * views saved by autograd in forward stay valid for backward after a reshard/unshard cycle, because
-  they share the storage object, not just its old address.
+  they share the storage object, not just its old address;
+* the gathered bytes come from the allocator (a cached block or a slot in the planned pool), not
+  from a fresh ``malloc``/``mmap`` per unshard: torch FSDP2's ``storage.resize_`` costs a page fault
+  per 4 KiB on every unshard of a buffer above glibc's mmap threshold.
+
+The storage is re-pointed with ``UntypedStorage._swap_data_ptr_`` and a non-owning storage made by
+``torch._C._construct_storage_from_data_pointer`` (what torch's CUDA-graph trees use to place
+tensors in their pool): the block tensor is kept in ``_block`` so its memory outlives the views.
 
 Reduce-scatter reads a full-size gradient buffer and writes a *separate* shard-size output: a
 reduce-scatter whose output aliases its input overwrites data it has not yet read.
@@ -49,6 +57,11 @@ class DataParallelBuffer:
         self.unsharded = torch.empty(layout.total_numel, dtype=dtype, device=device)
         self._storage = self.unsharded.untyped_storage()
         self._nbytes = self._storage.nbytes()
+        # Where the gathered bytes come from while unsharded: (block tensor, allocator, key);
+        # the block is None for the storage's own initial memory, which the first free releases.
+        self._block: Optional[torch.Tensor] = None
+        self._alloc = None
+        self._key = None
         # Views are made while the storage has its full size (views of an empty storage fail the
         # bounds check); the owner frees it once it has wrapped them (see ParameterGroup).
         self._views = [self.param_view(self.unsharded, i) for i in range(len(layout.slots))]
@@ -93,17 +106,37 @@ class DataParallelBuffer:
     def is_unsharded(self) -> bool:
         return self._storage.nbytes() > 0
 
-    def materialize(self) -> None:
-        if not self.is_unsharded:
-            self._storage.resize_(self._nbytes)
+    def _point_storage_at(self, ptr: int, nbytes: int) -> None:
+        # The old data pointer moves into the temporary storage and is dropped with it (freeing
+        # the storage's own initial allocation; blocks from an allocator are not owned by it).
+        self._storage._swap_data_ptr_(torch._C._construct_storage_from_data_pointer(ptr, self.device, nbytes))
+
+    def materialize(self, allocator=None, key=None) -> None:
+        """Give the unsharded storage its bytes: a block from ``allocator`` under ``key`` (or a
+        plain ``torch.empty`` when there is no allocator yet, e.g. before the root's first forward)."""
+        if self.is_unsharded:
+            return
+        n = self.layout.total_numel
+        if allocator is not None:
+            block = allocator.allocate(key, n, self.dtype, self.device)
+        else:
+            block = torch.empty(n, dtype=self.dtype, device=self.device)
+        self._block, self._alloc, self._key = block, allocator, key
+        self._point_storage_at(block.data_ptr(), self._nbytes)
 
     def free_unsharded(self) -> None:
-        self._storage.resize_(0)
+        if not self.is_unsharded:
+            return
+        self._point_storage_at(0, 0)
+        alloc, key = self._alloc, self._key
+        self._block, self._alloc, self._key = None, None, None
+        if alloc is not None:
+            alloc.free(key)
 
     # -- collectives --------------------------------------------------------------------------
-    def all_gather(self) -> CommHandle:
+    def all_gather(self, allocator=None, key=None) -> CommHandle:
         """Fill the unsharded buffer from every rank's shard (in place: no copy-out)."""
-        self.materialize()
+        self.materialize(allocator, key)
         mine = self.local_slice(self._writer)
         mine.copy_(self.shard)
         return self.comm.all_gather(self._writer, mine)
@@ -119,11 +152,11 @@ class DataParallelBuffer:
         self.free_unsharded()
         return kept
 
-    def all_gather_in_group(self, kept: torch.Tensor, sub: Communicator) -> CommHandle:
+    def all_gather_in_group(self, kept: torch.Tensor, sub: Communicator, allocator=None, key=None) -> CommHandle:
         """Rebuild the full buffer from the group's kept shards (one strided copy after the wait)."""
         N, S = self.layout.world_size, self.layout.shard_numel
         k = sub.world_size
-        self.materialize()
+        self.materialize(allocator, key)
         staging = torch.empty(N * S, dtype=self.dtype, device=self.device)
 
         def place() -> None:
@@ -133,6 +166,6 @@ class DataParallelBuffer:
         h = sub.all_gather(staging, kept.reshape(-1))
         return CommHandle(then=lambda: (h.wait(), place()))
 
-    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, op) -> CommHandle:
+    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, op, scratch: Optional[torch.Tensor] = None) -> CommHandle:
         """Reduce a full-size flat tensor into ``out`` (shard size, must not alias ``full``)."""
-        return self.comm.reduce_scatter(out, full, op)
+        return self.comm.reduce_scatter(out, full, op, scratch)

@@ -62,15 +62,16 @@ def unshard_async(state: FSDPState) -> None:
     with trace_range(f"mfsdp2.unshard {state.name}"):
         event_log.record("ag_issue", state.name)
         # Before the root context exists (an explicit unshard() ahead of the first forward) there
-        # is no allocator to count in; reshard releases from whichever allocator counted.
+        # is no allocator yet: the buffer takes plain memory; each buffer remembers where its
+        # block came from and gives it back there at reshard.
         alloc = state.ctx.allocator if state.ctx is not None else None
         state.pending_unshard = []
         for i, g in enumerate(state.groups):
+            key = ("weight", state.name, i)
             # From a partial reshard only the rank block gathers (e.g. inside a node).
-            state.pending_unshard.append(g.unshard_from_group(state.post_forward_comm) if partial else g.unshard())
-            if alloc is not None:
-                alloc.track(("weight", state.name, i), g.weights.nbytes)
-        state.weights_tracked_by = alloc
+            state.pending_unshard.append(
+                g.unshard_from_group(state.post_forward_comm, alloc, key) if partial else g.unshard(alloc, key)
+            )
         state.shard_state = ShardState.UNSHARDING
 
 
@@ -101,16 +102,12 @@ def reshard(state: FSDPState, to_group: bool = False) -> None:
         for h in state.pending_unshard:  # never free memory a collective is still writing
             h.wait()
         state.pending_unshard = []
-        alloc = state.weights_tracked_by
-        for i, g in enumerate(state.groups):
+        for g in state.groups:
             g.register(unsharded=False)
             if to_group:
                 g.reshard_to_group(state.post_forward_comm)
             else:
                 g.reshard()
-            if alloc is not None:
-                alloc.untrack(("weight", state.name, i), g.weights.nbytes)
-        state.weights_tracked_by = None
         state.shard_state = ShardState.PARTIAL if to_group else ShardState.SHARDED
         event_log.record("reshard_to_group" if to_group else "reshard", state.name)
 
@@ -135,6 +132,12 @@ def lazy_init(state: FSDPState) -> None:
             raise RuntimeError(
                 f"mfsdp2: unit {s.name!r} is unsharded while {state.name!r} becomes its root; "
                 "reshard it (module.reshard()) before running the parent's forward"
+            )
+    for s in states:
+        if s is not state and s.allocator_spec is not None and s.allocator_spec is not state.allocator_spec:
+            raise ValueError(
+                f"mfsdp2: allocator={s.allocator_spec!r} was given to {s.name!r}, which is not the root; "
+                f"every unit under a root shares the root's allocator: pass it to fully_shard of the root ({state.name!r})"
             )
     RootContext.create(state, states)
 
@@ -170,6 +173,8 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
                     "(or a previous backward raised before finishing)"
                 )
             ctx.schedule.begin_forward(grad)
+            # A step begins: the trace-pool allocator keeps one plan per kind of step.
+            ctx.allocator.mark_step(("train" if grad else "eval", state.requires_gradient_sync))
         state.training_state = TrainingState.FORWARD
         prefetch = ctx.schedule.on_forward(state)
         unshard_async(state)

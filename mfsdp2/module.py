@@ -109,7 +109,9 @@ class FSDPModule:
 
         ``persistent_bytes``: main weights, separate model-weight shards and main grads;
         ``transient_peak_bytes`` / ``transient_live_bytes``: unsharded weights and gradient
-        buffers as counted by the shared allocator (peak since the last ``stats.reset_peak()``).
+        buffers as counted by the shared allocator (peak since the last ``stats.reset_peak()``);
+        ``cached_bytes``: memory the allocator holds for reuse while no buffer uses it (the
+        caching allocator's free blocks; the trace pool's pools).
         """
         persistent = 0
         for s in self._units(True):
@@ -124,6 +126,7 @@ class FSDPModule:
             "persistent_bytes": persistent,
             "transient_peak_bytes": stats.peak_bytes,
             "transient_live_bytes": stats.live_bytes,
+            "cached_bytes": self.allocator.cached_bytes() if hasattr(self.allocator, "cached_bytes") else 0,
         }
 
     @property
@@ -211,11 +214,16 @@ def fully_shard(
     gathered parameters after forward, ``False`` keeps them for backward, an int ``k`` (a divisor
     of the group size, e.g. ranks per node) keeps ``N/k`` shards so backward gathers only inside
     blocks of ``k`` consecutive ranks. ``allocator`` is read from the root only
-    (``"caching"`` default, ``"dynamic"``, or a :class:`~mfsdp2.allocator.BucketAllocator`).
+    (``"caching"`` default, ``"dynamic"``, ``"trace_pool"`` or a :class:`~mfsdp2.allocator.BucketAllocator`).
     """
     if isinstance(module, FSDPModule):
         raise ValueError(
             f"mfsdp2: fully_shard was already applied to this {type(module).__name__}; apply it once per module"
+        )
+    if not (allocator is None or isinstance(allocator, BucketAllocator) or allocator in ("caching", "dynamic", "trace_pool")):
+        raise ValueError(
+            f"mfsdp2: unknown allocator {allocator!r} for {type(module).__name__}: use 'caching', 'dynamic', "
+            "'trace_pool' or a BucketAllocator instance"
         )
     mesh = mesh if mesh is not None else _default_mesh()
     if mesh.ndim != 1:

@@ -152,11 +152,12 @@ class ParameterGroup:
     def is_unsharded(self) -> bool:
         return self.weights.is_unsharded
 
-    def unshard(self) -> CommHandle:
+    def unshard(self, allocator: Optional[BucketAllocator] = None, key=None) -> CommHandle:
+        """Gather the model weights into a block from ``allocator`` (keyed ``key``)."""
         self.refresh_model_shard()
         self.gathered_version = self.main_version()
         with torch.no_grad():
-            return self.weights.all_gather()
+            return self.weights.all_gather(allocator, key)
 
     @property
     def stale(self) -> bool:
@@ -171,10 +172,10 @@ class ParameterGroup:
         """Keep what a gather inside ``sub`` (a block of consecutive ranks) needs; free the rest."""
         self.kept = self.weights.keep_for_group(sub.world_size)
 
-    def unshard_from_group(self, sub: Communicator) -> CommHandle:
+    def unshard_from_group(self, sub: Communicator, allocator: Optional[BucketAllocator] = None, key=None) -> CommHandle:
         kept, self.kept = self.kept, None
         with torch.no_grad():
-            return self.weights.all_gather_in_group(kept, sub)
+            return self.weights.all_gather_in_group(kept, sub, allocator, key)
 
     # -- gradients ----------------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:
@@ -210,8 +211,16 @@ class ParameterGroup:
             if end < layout.total_numel:
                 full[end:].zero_()
             out = allocator.allocate(("rs_out", key), layout.shard_numel, self.reduce_dtype, self.device)
-            handle = self.weights.reduce_scatter(full, out, dist.ReduceOp.AVG)
+            n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, dist.ReduceOp.AVG)
+            scratch = allocator.allocate(("rs_recv", key), n_scratch, self.reduce_dtype, self.device) if n_scratch else None
+            handle = self.weights.reduce_scatter(full, out, dist.ReduceOp.AVG, scratch)
         self._pending_reduce = (handle, full, out, tuple(has_grad), key)
+
+    @staticmethod
+    def _free_reduce_buffers(allocator: BucketAllocator, key) -> None:
+        allocator.free(("grad", key))
+        if allocator.is_live(("rs_recv", key)):
+            allocator.free(("rs_recv", key))
 
     def abort(self, allocator: BucketAllocator) -> None:
         """Drop this step's gradient work after an exception: wait for (never free under) an
@@ -220,7 +229,7 @@ class ParameterGroup:
             handle, _, _, _, key = self._pending_reduce
             self._pending_reduce = None
             handle.wait()
-            allocator.free(("grad", key))
+            self._free_reduce_buffers(allocator, key)
             allocator.free(("rs_out", key))
         for up in self.unsharded_params:
             up.grad = None
@@ -236,7 +245,7 @@ class ParameterGroup:
         handle, full, out, has_grad, key = self._pending_reduce
         self._pending_reduce = None
         handle.wait()
-        allocator.free(("grad", key))
+        self._free_reduce_buffers(allocator, key)
         with torch.no_grad():
             if self.main_grad is None:
                 self.main_grad = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)

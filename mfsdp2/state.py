@@ -67,10 +67,6 @@ class FSDPState:
         self.shard_state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE
         self.pending_unshard: list = []
-        # The allocator that counted this unit's gathered weights at the last unshard (None: not
-        # counted, e.g. an explicit unshard() before the root context existed); reshard releases
-        # the count from that same allocator, so the statistics always balance.
-        self.weights_tracked_by: Optional[BucketAllocator] = None
         # Per-iteration flags, reset by the root's final backward callback.
         self.forward_with_grad = False
         self.post_backward_done = False

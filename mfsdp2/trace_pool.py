@@ -1,0 +1,226 @@
+"""TracePoolAllocator: record one step's buffer requests, plan them into one pool, replay.
+
+Why: a training step asks for the same buffers in the same order every time (each unit's
+gathered weights, its flat gradient, reduce-scatter output and scratch). Knowing the whole
+sequence, offsets in one preallocated pool per (device, dtype) can be planned so that buffers
+whose lifetimes do not overlap share bytes (:mod:`mfsdp2.pool_plan`): the pool is about the
+step's peak live bytes, and a steady-state step makes no allocation at all.
+
+Phases, per *step kind* (the ``tag`` passed to :meth:`mark_step`: the runtime passes
+``(grad enabled, gradient sync)``, so eval passes and no-sync micro-batches get plans of their own
+instead of breaking the training step's):
+
+1. **trace**: a kind with no plan is served by the fallback allocator (caching) while its
+   allocate/free events are recorded; at the next ``mark_step`` the trace is planned.
+2. **plan**: each buffer allocated *and freed* inside the step becomes an interval; one pool per
+   (device, dtype) is sized to the largest plan of any kind (pools only grow).
+3. **replay**: a request that is the next event of the plan gets its planned slot.
+
+Divergence never crashes or corrupts (Megatron-FSDP2's pool asserts "no slot available" when an
+eval pass runs between training steps): the first request that differs from the plan (another
+key, size or order; a free that comes later) switches the rest of that step to the fallback
+allocator, and the step's own sequence becomes a candidate; when the same sequence comes again
+in the next step of that kind, it is re-planned. Independently of the plan, a pool slot is handed
+out only if no live block of the pool overlaps it, so a block that outlives its step (e.g. an
+unshard before a step began) can never be overwritten. ``debug=True`` (or
+``MFSDP2_DEBUG_ALLOCATOR=1``) checks every plan and raises if a slot handed out while the step
+matches its plan overlaps a live block (a planner bug, not a divergence).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Hashable, Optional
+
+import torch
+
+from .allocator import BucketAllocator, CachingAllocator
+from .pool_plan import Interval, check_plan, plan_pool
+
+__all__ = ["TracePoolAllocator", "TraceStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TraceStats:
+    plans: int = 0  # plans made (the first per step kind, then re-plans)
+    divergences: int = 0  # steps that left their plan
+    pool_hits: int = 0  # requests served from a pool slot
+    fallback_hits: int = 0  # requests served by the fallback allocator
+    pool_bytes: int = 0  # bytes of all current pools
+
+
+@dataclass
+class _Pool:
+    tensor: torch.Tensor
+    live: dict = field(default_factory=dict)  # key -> (lo, hi, step id), element offsets
+
+
+@dataclass(frozen=True)
+class _Plan:
+    events: tuple  # ("a", key, numel, dtype, device) / ("f", key)
+    slots: dict  # event index of an allocation -> (pool key, element offset); absent: fallback
+    pool_numel: dict  # pool key -> elements this plan needs
+
+
+class TracePoolAllocator(BucketAllocator):
+    """Trace a step, plan a pool per (device, dtype), replay; falls back safely on divergence."""
+
+    def __init__(self, fallback: Optional[BucketAllocator] = None, debug: Optional[bool] = None, align_bytes: int = 64):
+        super().__init__()
+        self.fallback = fallback if fallback is not None else CachingAllocator()
+        self.debug = os.environ.get("MFSDP2_DEBUG_ALLOCATOR", "0") == "1" if debug is None else debug
+        self.align_bytes = align_bytes
+        self.trace_stats = TraceStats()
+        self._plans: dict[Hashable, _Plan] = {}
+        self._candidates: dict[Hashable, tuple] = {}
+        self._pools: dict[tuple, _Pool] = {}
+        self._source: dict[Hashable, Optional[_Pool]] = {}  # live key -> its pool (None: fallback)
+        self._pool_allocations = 0
+        self._step_id = 0
+        self._tag: Hashable = None
+        self._events: list = []
+        self._plan: Optional[_Plan] = None
+        self._diverged = False
+
+    # -- steps ----------------------------------------------------------------------------------
+    def mark_step(self, tag: Hashable = None) -> None:
+        self._end_step()
+        self._step_id += 1
+        self._tag = tag
+        self._events = []
+        self._plan = self._plans.get(tag)
+        self._diverged = False
+
+    def _end_step(self) -> None:
+        events, tag, plan = tuple(self._events), self._tag, self._plan
+        if not events:
+            return
+        if plan is not None and not self._diverged and events == plan.events:
+            return  # replayed exactly
+        if plan is not None and not self._diverged:
+            self._note_divergence("the step ended early")
+        if plan is None or self._candidates.get(tag) == events:
+            self._candidates.pop(tag, None)
+            self._plans[tag] = self._make_plan(events)
+        else:
+            self._candidates[tag] = events
+
+    def _note_divergence(self, why: str) -> None:
+        self._diverged = True
+        self.trace_stats.divergences += 1
+        logger.debug("mfsdp2 trace pool: step %d (%r) left its plan: %s", self._step_id, self._tag, why)
+
+    # -- planning -------------------------------------------------------------------------------
+    @staticmethod
+    def _pool_key(dtype: torch.dtype, device: torch.device) -> tuple:
+        return (str(device), dtype)
+
+    def _make_plan(self, events: tuple) -> _Plan:
+        freed_at: dict = {}
+        open_allocs: dict = {}
+        for i, ev in enumerate(events):
+            if ev[0] == "a":
+                open_allocs[ev[1]] = i
+            elif ev[1] in open_allocs:  # a free of a buffer allocated in this step
+                freed_at[open_allocs.pop(ev[1])] = i
+        by_pool: dict[tuple, list[tuple[int, Interval]]] = {}
+        for i, j in freed_at.items():
+            _, _, numel, dtype, device = events[i]
+            by_pool.setdefault(self._pool_key(dtype, device), []).append((i, Interval(i, j, numel)))
+        slots, pool_numel = {}, {}
+        for pk, items in sorted(by_pool.items(), key=lambda kv: str(kv[0])):
+            itemsize = torch.empty((), dtype=pk[1]).element_size()
+            align = max(self.align_bytes // itemsize, 1)
+            ivs = [iv for _, iv in items]
+            plan = plan_pool(ivs, align)
+            if self.debug:
+                check_plan(ivs, plan, align)
+            for (i, _), off in zip(items, plan.offsets):
+                slots[i] = (pk, off)
+            pool_numel[pk] = plan.pool_size
+            self._ensure_pool(pk, plan.pool_size)
+        self.trace_stats.plans += 1
+        if hasattr(self.fallback, "release_cached"):  # the pool now serves what it cached
+            self.fallback.release_cached()
+        logger.debug("mfsdp2 trace pool: planned %d of %d buffers into %s", len(slots), sum(e[0] == "a" for e in events), pool_numel)
+        return _Plan(events, slots, pool_numel)
+
+    def _ensure_pool(self, pk: tuple, numel: int) -> None:
+        pool = self._pools.get(pk)
+        if pool is not None and pool.tensor.numel() >= numel:
+            return
+        # Pools only grow. Blocks still live in the old pool keep its memory (their tensors view
+        # it) and are released into it; new slots come from the new one.
+        device, dtype = torch.device(pk[0]), pk[1]
+        self._pools[pk] = _Pool(torch.empty(numel, dtype=dtype, device=device))
+        self._pool_allocations += 1
+        self.trace_stats.pool_bytes = sum(p.tensor.numel() * p.tensor.element_size() for p in self._pools.values())
+        self._sync_count()
+
+    def _sync_count(self) -> None:
+        self.stats.underlying_allocations = self._pool_allocations + self.fallback.stats.underlying_allocations
+
+    # -- allocate / free ------------------------------------------------------------------------
+    def _planned_slot(self, idx: int, ev: tuple) -> Optional[tuple]:
+        plan = self._plan
+        if plan is None or self._diverged:
+            return None
+        if idx >= len(plan.events) or plan.events[idx] != ev:
+            self._note_divergence(f"request {ev[:3]} where the plan has {plan.events[idx][:3] if idx < len(plan.events) else 'nothing'}")
+            return None
+        return plan.slots.get(idx)
+
+    def allocate(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if key in self._live:
+            raise RuntimeError(f"allocator: buffer {key!r} is already live; free it before allocating it again")
+        device = torch.device(device)
+        ev = ("a", key, numel, dtype, device)
+        slot = self._planned_slot(len(self._events), ev)
+        self._events.append(ev)
+        t, src = None, None
+        if slot is not None:
+            pk, off = slot
+            pool = self._pools[pk]
+            clash = next(((k, r) for k, r in pool.live.items() if r[0] < off + numel and off < r[1]), None)
+            if clash is None:
+                t, src = pool.tensor[off : off + numel], pool
+                pool.live[key] = (off, off + numel, self._step_id)
+                self.trace_stats.pool_hits += 1
+            elif self.debug and clash[1][2] == self._step_id:
+                raise AssertionError(
+                    f"trace pool: planned slot [{off}, {off + numel}) for {key!r} overlaps live {clash[0]!r} "
+                    f"{clash[1][:2]} of the same step: the plan is wrong"
+                )
+            else:  # a block that outlived its step sits there: never hand out shared bytes
+                self._note_divergence(f"slot of {key!r} still holds {clash[0]!r}")
+        if t is None:
+            t = self.fallback.allocate(key, numel, dtype, device)
+            self.trace_stats.fallback_hits += 1
+            self._sync_count()
+        self._source[key] = src
+        self._live[key] = t
+        self.stats._add(key, t.numel() * t.element_size(), +1)
+        return t
+
+    def free(self, key: Hashable) -> None:
+        t = self._live.pop(key)
+        self.stats._add(key, t.numel() * t.element_size(), -1)
+        ev = ("f", key)
+        plan, idx = self._plan, len(self._events)
+        if plan is not None and not self._diverged and (idx >= len(plan.events) or plan.events[idx] != ev):
+            self._note_divergence(f"free of {key!r} out of the planned order")
+        self._events.append(ev)
+        src = self._source.pop(key)
+        if src is None:
+            self.fallback.free(key)
+        else:
+            del src.live[key]
+
+    def cached_bytes(self) -> int:
+        """Bytes held for reuse: the pools plus what the fallback caches."""
+        fb = self.fallback.cached_bytes() if hasattr(self.fallback, "cached_bytes") else 0
+        return self.trace_stats.pool_bytes + fb
