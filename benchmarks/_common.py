@@ -586,17 +586,15 @@ def mfsdp2_allocator_memory(alloc) -> list:
 
 def mfsdp2_persistent_bytes(model: nn.Module) -> dict:
     """Bytes of mfsdp2's persistent shards: main weights, model-weight shards (when a separate
-    tensor), main grads."""
-    main_w = model_w = main_g = 0
+    tensor)."""
+    main_w = model_w = 0
     for g in mfsdp2_groups(model):
         main_w += g.main_weight.numel() * g.main_weight.element_size()
         sh = g.weights.shard
         if sh.untyped_storage().data_ptr() != g.main_weight.untyped_storage().data_ptr():
             model_w += sh.numel() * sh.element_size()
-        if g.main_grad is not None:
-            main_g += g.main_grad.numel() * g.main_grad.element_size()
-    return {"main_weight": main_w, "model_weight_shard": model_w, "main_grad": main_g,
-            "total": main_w + model_w + main_g}
+    # Main grads are blocks of mfsdp2's allocator (counted in its peak), not persistent.
+    return {"main_weight": main_w, "model_weight_shard": model_w, "total": main_w + model_w}
 
 
 def mfsdp2_padding(model: nn.Module) -> float:

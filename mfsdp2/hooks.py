@@ -173,6 +173,11 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
                     "(or a previous backward raised before finishing)"
                 )
             ctx.schedule.begin_forward(grad)
+            # Main grads whose parameters all had their grads cleared (zero_grad(set_to_none=True))
+            # go back to the allocator: they take no memory through forward, as in FSDP2.
+            for s in ctx.states:
+                for g in s.groups:
+                    g.release_main_grad()
             # A step begins: the trace-pool allocator keeps one plan per kind of step.
             ctx.allocator.mark_step(("train" if grad else "eval", state.requires_gradient_sync))
         state.training_state = TrainingState.FORWARD

@@ -107,11 +107,12 @@ class FSDPModule:
     def memory_stats(self) -> dict[str, int]:
         """Bytes the runtime owns on this rank for the units under this root.
 
-        ``persistent_bytes``: main weights, separate model-weight shards and main grads;
-        ``transient_peak_bytes`` / ``transient_live_bytes``: unsharded weights and gradient
-        buffers as counted by the shared allocator (peak since the last ``stats.reset_peak()``);
-        ``cached_bytes``: memory the allocator holds for reuse while no buffer uses it (the
-        caching allocator's free blocks; the trace pool's pools).
+        ``persistent_bytes``: main weights and separate model-weight shards;
+        ``transient_peak_bytes`` / ``transient_live_bytes``: what the shared allocator serves --
+        unsharded weights, gradient buffers and main grads (these live from the first reduction
+        to the next forward after ``zero_grad(set_to_none=True)``) -- peak since the last
+        ``stats.reset_peak()``; ``cached_bytes``: memory the allocator holds for reuse while no
+        buffer uses it (the caching allocator's free blocks; the trace pool's pools).
         """
         persistent = 0
         for s in self._units(True):
@@ -119,8 +120,6 @@ class FSDPModule:
                 persistent += g.main_weight.numel() * g.main_weight.element_size()
                 if g.weights.shard is not g.main_weight:
                     persistent += g.weights.shard.numel() * g.weights.shard.element_size()
-                if g.main_grad is not None:
-                    persistent += g.main_grad.numel() * g.main_grad.element_size()
         stats = self.allocator.stats
         return {
             "persistent_bytes": persistent,

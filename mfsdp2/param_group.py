@@ -91,7 +91,8 @@ class ParameterGroup:
         self.casts = 0  # main -> model casts done (tests check: once per optimizer step)
         self.gathered_version = -1
         self.kept: Optional[torch.Tensor] = None  # shards kept by a partial reshard (int reshard_after_forward)
-        self.main_grad: Optional[torch.Tensor] = None  # created at the first reduction
+        self.main_grad: Optional[torch.Tensor] = None  # from the first reduction to the release
+        self._main_grad_alloc: Optional[BucketAllocator] = None
         self.dist_params: list[nn.Parameter] = []
         self.unsharded_params: list[nn.Parameter] = []
         self._pending_reduce: Optional[tuple[CommHandle, torch.Tensor, tuple]] = None
@@ -210,11 +211,46 @@ class ParameterGroup:
                 end = slot.offset + slot.numel
             if end < layout.total_numel:
                 full[end:].zero_()
-            out = allocator.allocate(("rs_out", key), layout.shard_numel, self.reduce_dtype, self.device)
+            # Nothing accumulated is visible (every grad None: first reduction since zero_grad)
+            # and the dtypes match: reduce straight into main_grad, no output buffer, no copy.
+            direct = self.reduce_dtype == self.grad_dtype and all(dp.grad is None for dp in self.dist_params)
+            if direct:
+                self._ensure_main_grad(allocator, zero=False)
+                out = self.main_grad
+            else:
+                out = allocator.allocate(("rs_out", key), layout.shard_numel, self.reduce_dtype, self.device)
             n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, dist.ReduceOp.AVG)
             scratch = allocator.allocate(("rs_recv", key), n_scratch, self.reduce_dtype, self.device) if n_scratch else None
             handle = self.weights.reduce_scatter(full, out, dist.ReduceOp.AVG, scratch)
-        self._pending_reduce = (handle, full, out, tuple(has_grad), key)
+        self._pending_reduce = (handle, direct, out, tuple(has_grad), key)
+
+    # -- main grads ---------------------------------------------------------------------------
+    def _main_grad_key(self) -> tuple:
+        return ("main_grad", self.unit_name, self.name)
+
+    def _ensure_main_grad(self, allocator: BucketAllocator, zero: bool) -> None:
+        """main_grad lives from the first reduction after a ``zero_grad(set_to_none=True)`` to the
+        next forward that finds all its grads cleared (:meth:`release_main_grad`): like FSDP2's
+        sharded grads, it takes no memory through forward."""
+        if self.main_grad is not None:
+            return
+        self._main_grad_alloc = allocator
+        self.main_grad = allocator.allocate(self._main_grad_key(), self.layout.shard_numel, self.grad_dtype, self.device)
+        if zero:
+            self.main_grad.zero_()
+        for dp in self.dist_params:
+            dp.grad = None
+
+    def release_main_grad(self) -> None:
+        """Give main_grad back to the allocator when no parameter exposes it any more (the
+        optimizer's ``zero_grad(set_to_none=True)`` ran); called at the root's next forward."""
+        if self.main_grad is None or self._pending_reduce is not None:
+            return
+        if any(dp.grad is not None for dp in self.dist_params):
+            return  # grads kept (zero_grad(set_to_none=False) or accumulation across steps)
+        self.main_grad = None
+        self._main_grad_alloc.free(self._main_grad_key())
+        self._main_grad_alloc = None
 
     @staticmethod
     def _free_reduce_buffers(allocator: BucketAllocator, key) -> None:
@@ -226,11 +262,12 @@ class ParameterGroup:
         """Drop this step's gradient work after an exception: wait for (never free under) an
         in-flight reduce-scatter, discard it, and drop unsharded gradients."""
         if self._pending_reduce is not None:
-            handle, _, _, _, key = self._pending_reduce
+            handle, direct, _, _, key = self._pending_reduce
             self._pending_reduce = None
             handle.wait()
             self._free_reduce_buffers(allocator, key)
-            allocator.free(("rs_out", key))
+            if not direct:
+                allocator.free(("rs_out", key))
         for up in self.unsharded_params:
             up.grad = None
 
@@ -242,30 +279,28 @@ class ParameterGroup:
         """Wait for the in-flight reduce-scatter and accumulate it into ``main_grad``."""
         if self._pending_reduce is None:
             return
-        handle, full, out, has_grad, key = self._pending_reduce
+        handle, direct, out, has_grad, key = self._pending_reduce
         self._pending_reduce = None
         handle.wait()
         self._free_reduce_buffers(allocator, key)
         with torch.no_grad():
-            if self.main_grad is None:
-                self.main_grad = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
-                for dp in self.dist_params:
-                    dp.grad = None
-            overwrite = [dp.grad is None for dp in self.dist_params]
-            if all(overwrite):
-                self.main_grad.copy_(out)
-            else:
-                # optimizer.zero_grad() (set_to_none) clears some grads: their pieces restart at 0.
-                for i, dp in enumerate(self.dist_params):
-                    if overwrite[i]:
-                        self.weights.piece_view(self.main_grad, i).zero_()
-                    elif dp.grad._local_tensor.data_ptr() != self.weights.piece_view(self.main_grad, i).data_ptr():
-                        # The user assigned a grad of their own: fold it in before accumulating.
-                        self.weights.piece_view(self.main_grad, i).copy_(dp.grad._local_tensor)
-                self.main_grad.add_(out)
+            if not direct:
+                self._ensure_main_grad(allocator, zero=True)
+                overwrite = [dp.grad is None for dp in self.dist_params]
+                if all(overwrite):
+                    self.main_grad.copy_(out)
+                else:
+                    # optimizer.zero_grad() (set_to_none) clears some grads: their pieces restart at 0.
+                    for i, dp in enumerate(self.dist_params):
+                        if overwrite[i]:
+                            self.weights.piece_view(self.main_grad, i).zero_()
+                        elif dp.grad._local_tensor.data_ptr() != self.weights.piece_view(self.main_grad, i).data_ptr():
+                            # The user assigned a grad of their own: fold it in before accumulating.
+                            self.weights.piece_view(self.main_grad, i).copy_(dp.grad._local_tensor)
+                    self.main_grad.add_(out)
+                allocator.free(("rs_out", key))
             for i, dp in enumerate(self.dist_params):
                 if dp.grad is None and has_grad[i] and self.layout.piece(i, self.rank).numel > 0:
                     local = self.weights.piece_view(self.main_grad, i)
                     dp.grad = row_sharded_dtensor(local, self.mesh, self.layout.rows_per_rank(i), dp.shape)
-        allocator.free(("rs_out", key))
         self.grads_reduced_this_step = True
