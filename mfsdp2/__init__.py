@@ -5,6 +5,7 @@ See ``docs/design.md`` for the lifecycle, buffer layout, streams and allocator.
 
 from .allocator import BucketAllocator, CachingAllocator, DynamicAllocator, TracePoolAllocator
 from .comm import comm_stats
+from .diagnostics import check_buffers, check_finite_grads, describe, grad_norms, weight_norms
 from .layout import BufferLayout, plan_layout
 from .mixed_precision import MixedPrecisionPolicy
 from .module import FSDPModule, UnshardHandle, fully_shard
@@ -23,4 +24,9 @@ __all__ = [
     "DynamicAllocator",
     "TracePoolAllocator",
     "comm_stats",
+    "describe",
+    "check_buffers",
+    "grad_norms",
+    "weight_norms",
+    "check_finite_grads",
 ]
