@@ -263,7 +263,7 @@ def fully_shard(
     state = FSDPState(module, name, mesh, comm, groups, mp_policy, reshard_after_forward, allocator)
     state.post_forward_comm = post_forward_comm
     for g in groups:
-        g.register(unsharded=False)
+        g.register(unsharded=False, check=False)  # replaces the user's original parameters
 
     cls = type(module)
     if cls not in _class_cache:

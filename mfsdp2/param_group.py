@@ -122,14 +122,25 @@ class ParameterGroup:
             up = nn.Parameter(views[i], requires_grad=p.requires_grad)
             self.unsharded_params.append(up)
 
-    def register(self, unsharded: bool) -> None:
+    def register(self, unsharded: bool, check: bool = True) -> None:
         """Point every owner module's attribute at the unsharded (compute) or sharded (DTensor) params.
 
         A parameter shared by several modules of this unit (tied weights) has several owners.
+        ``check``: the attribute must still hold one of ours; a parameter the user assigned after
+        ``fully_shard`` would otherwise be overwritten here without a word, and never trained.
         """
         params = self.unsharded_params if unsharded else self.dist_params
-        for owners, p in zip(self.infos, params):
+        for i, (owners, p) in enumerate(zip(self.infos, params)):
             for info in owners:
+                if check:
+                    cur = info.owner._parameters.get(info.attr)
+                    if cur is not self.dist_params[i] and cur is not self.unsharded_params[i]:
+                        raise RuntimeError(
+                            f"mfsdp2: parameter {info.fqn!r} of unit {self.unit_name!r} was replaced (or deleted) "
+                            "after fully_shard; the runtime owns it now. Change its values in place "
+                            "(with torch.no_grad(): param.copy_(...), or load_state_dict) instead of "
+                            "assigning a new Parameter, or assign before calling fully_shard"
+                        )
                 info.owner._parameters[info.attr] = p
 
     def main_version(self) -> int:
