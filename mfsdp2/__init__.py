@@ -4,7 +4,7 @@ See ``docs/design.md`` for the lifecycle, buffer layout, streams and allocator.
 """
 
 from .allocator import BucketAllocator, CachingAllocator, DynamicAllocator, TracePoolAllocator
-from .comm import comm_stats
+from .comm import CollectiveError, comm_stats, set_collective_timeout
 from .diagnostics import check_buffers, check_finite_grads, describe, grad_norms, weight_norms
 from .layout import BufferLayout, plan_layout
 from .mixed_precision import MixedPrecisionPolicy
@@ -24,6 +24,8 @@ __all__ = [
     "DynamicAllocator",
     "TracePoolAllocator",
     "comm_stats",
+    "CollectiveError",
+    "set_collective_timeout",
     "describe",
     "check_buffers",
     "grad_norms",

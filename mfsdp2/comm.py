@@ -17,6 +17,7 @@ so the demo, the benchmarks and the tests can report volume per step.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -24,7 +25,35 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "comm_stats", "CommHandle", "Communicator", "tensors_overlap"]
+__all__ = [
+    "CommStats",
+    "comm_stats",
+    "CommHandle",
+    "Communicator",
+    "CollectiveError",
+    "set_collective_timeout",
+    "tensors_overlap",
+]
+
+# Fail-fast: how long a CPU rank waits for one collective before giving up (None: as long as the
+# process group allows, 30 min by default). A rank that died, hangs or issued a different sequence
+# of collectives then surfaces as a CollectiveError naming the unit and step on the waiting ranks.
+_timeout_s: Optional[float] = float(os.environ["MFSDP2_COLLECTIVE_TIMEOUT_S"]) if os.environ.get("MFSDP2_COLLECTIVE_TIMEOUT_S") else None
+
+
+def set_collective_timeout(seconds: Optional[float]) -> None:
+    """Fail a wait on a collective after ``seconds`` with a :class:`CollectiveError` naming the
+    collective, unit and step (``None``: no limit beyond the process group's own). Also settable
+    with the environment variable ``MFSDP2_COLLECTIVE_TIMEOUT_S``. CPU (gloo) collectives; NCCL's
+    own watchdog (``TORCH_NCCL_*`` timeouts) covers CUDA."""
+    global _timeout_s
+    if seconds is not None and seconds <= 0:
+        raise ValueError(f"collective timeout must be > 0 seconds or None, got {seconds}")
+    _timeout_s = seconds
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names it (kind, unit, step)."""
 
 
 @dataclass
@@ -62,19 +91,23 @@ def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 class CommHandle:
     """A collective in flight. ``wait()`` is idempotent; ``then`` runs once after the wait
-    (e.g. a copy-out that must not start before the collective is done)."""
+    (e.g. a copy-out that must not start before the collective is done). ``label`` names it in
+    errors ("all-gather of unit 'layers.3' (step 12)")."""
 
-    __slots__ = ("_work", "_event", "_then")
+    __slots__ = ("_work", "_event", "_then", "label")
 
-    def __init__(self, work=None, event=None, then=None):
-        self._work = work
+    def __init__(self, work=None, event=None, then=None, label: str = ""):
+        self._work = work  # a torch Work, or a list of them (point-to-point exchanges)
         self._event = event
         self._then = then
+        self.label = label
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            works = self._work if isinstance(self._work, list) else [self._work]
             self._work = None
+            for w in works:
+                _wait_work(w, self.label)
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
             self._event = None
@@ -85,6 +118,27 @@ class CommHandle:
     @property
     def pending(self) -> bool:
         return self._work is not None or self._event is not None or self._then is not None
+
+
+def _wait_work(work, label: str) -> None:
+    t = _timeout_s
+    try:
+        done = work.wait() if t is None else work.wait(datetime.timedelta(seconds=t))
+    except Exception as e:  # gloo: a peer closed the connection, or the timeout expired
+        raise CollectiveError(_failure(label, t, e)) from e
+    if done is False:  # backends that report a timeout instead of raising
+        raise CollectiveError(_failure(label, t, None))
+
+
+def _failure(label: str, t: Optional[float], cause) -> str:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    limit = f" within {t:g} s" if t is not None else ""
+    return (
+        f"mfsdp2: {label or 'a collective'} failed or did not finish{limit} on rank {rank}: another rank "
+        "died, hangs, or issued a different sequence of collectives (e.g. it skipped this unit's forward, "
+        "or its inputs took another branch through the model). Make every rank run the same units in the "
+        f"same order. Cause: {cause!r}"
+    )
 
 
 _DONE = CommHandle()
@@ -202,8 +256,6 @@ class Communicator:
             works.append(dist.irecv(recv[slot[src]], group=self.group, group_src=src))
 
         def reduce() -> None:
-            for w in works:
-                w.wait()
             # Sum in rank order 0..n-1 whatever this rank is: every rank adds the same way.
             parts = [chunks[r] if s == r else recv[slot[s]] for s in range(n)]
             torch.add(parts[0], parts[1], out=out)
@@ -212,7 +264,7 @@ class Communicator:
             if op == dist.ReduceOp.AVG:
                 out.div_(n)
 
-        return CommHandle(then=reduce)
+        return CommHandle(work=works, then=reduce)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None) -> CommHandle:
         group = group or self.group

@@ -66,12 +66,14 @@ def unshard_async(state: FSDPState) -> None:
         # block came from and gives it back there at reshard.
         alloc = state.ctx.allocator if state.ctx is not None else None
         state.pending_unshard = []
+        step = state.ctx.step if state.ctx is not None else 0
         for i, g in enumerate(state.groups):
             key = ("weight", state.name, i)
             # From a partial reshard only the rank block gathers (e.g. inside a node).
-            state.pending_unshard.append(
-                g.unshard_from_group(state.post_forward_comm, alloc, key) if partial else g.unshard(alloc, key)
-            )
+            h = g.unshard_from_group(state.post_forward_comm, alloc, key) if partial else g.unshard(alloc, key)
+            if h.pending:
+                h.label = f"all-gather of unit {state.name!r} ({g.name}, step {step})"
+            state.pending_unshard.append(h)
         state.shard_state = ShardState.UNSHARDING
 
 
@@ -284,6 +286,7 @@ def post_backward(state: FSDPState) -> None:
             for i, g in enumerate(state.groups):
                 if g.requires_grad and g.has_unsharded_grads():
                     g.reduce_grads(ctx.allocator, (state.name, i))
+                    g.label_pending_reduce(f"reduce-scatter of unit {state.name!r} ({g.name}, step {ctx.step})")
                     issued = True
             if issued:
                 event_log.record("rs_issue", state.name)
@@ -307,6 +310,32 @@ def _drain(ctx: RootContext, keep: int) -> None:
         event_log.record("rs_done", s.name)
 
 
+def _sync_grad_presence(ctx: RootContext) -> None:
+    """One small all-reduce per backward: which parameters had a gradient on *any* rank.
+
+    A rank exposes ``grad`` only for parameters it computed a gradient for; a parameter used on
+    other ranks only (an MoE expert without tokens here) still has a reduced gradient in this
+    rank's rows, and leaving it ``None`` would freeze those rows. Every rank reduced the same groups
+    (their reduce-scatters matched), so every rank builds the same vector."""
+    groups = [g for s in ctx.states for g in s.groups if g.requires_grad and g.grads_reduced_this_step]
+    if not groups:
+        return
+    if ctx.root.comm.world_size > 1:
+        flags = torch.tensor([f for g in groups for f in g.local_grad_flags], dtype=torch.uint8, device=ctx.root.comm.device)
+        h = ctx.root.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        h.label = f"gradient-presence all-reduce (end of backward, step {ctx.step})" if h.pending else h.label
+        h.wait()
+        flat = flags.tolist()
+        k = 0
+        for g in groups:
+            n = len(g.local_grad_flags)
+            g.expose_grads(flat[k : k + n])
+            k += n
+    for g in groups:
+        g.local_grad_flags = [False] * len(g.local_grad_flags)
+        g.grads_reduced_this_step = False
+
+
 def _final_callback(ctx: RootContext) -> None:
     with trace_range("mfsdp2.final_callback"):
         try:
@@ -322,6 +351,7 @@ def _final_callback(ctx: RootContext) -> None:
                 ):
                     post_backward(s)
             _drain(ctx, keep=0)
+            _sync_grad_presence(ctx)
             for s in ctx.states:
                 if s.reshard_after_backward:
                     reshard(s)

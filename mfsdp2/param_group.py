@@ -97,6 +97,8 @@ class ParameterGroup:
         self.unsharded_params: list[nn.Parameter] = []
         self._pending_reduce: Optional[tuple[CommHandle, torch.Tensor, tuple]] = None
         self.grads_reduced_this_step = False
+        # Which parameters had a local gradient in this backward's reductions (see expose_grads).
+        self.local_grad_flags = [False] * len(params)
 
         with torch.no_grad():
             for i, p in enumerate(params):
@@ -282,6 +284,11 @@ class ParameterGroup:
         for up in self.unsharded_params:
             up.grad = None
 
+    def label_pending_reduce(self, label: str) -> None:
+        """Name the in-flight reduce-scatter for errors (see :class:`~mfsdp2.comm.CollectiveError`)."""
+        if self._pending_reduce is not None and self._pending_reduce[0].pending:
+            self._pending_reduce[0].label = label
+
     @property
     def reduce_pending(self) -> bool:
         return self._pending_reduce is not None
@@ -310,8 +317,19 @@ class ParameterGroup:
                             self.weights.piece_view(self.main_grad, i).copy_(dp.grad._local_tensor)
                     self.main_grad.add_(out)
                 allocator.free(("rs_out", key))
-            for i, dp in enumerate(self.dist_params):
-                if dp.grad is None and has_grad[i] and self.layout.piece(i, self.rank).numel > 0:
-                    local = self.weights.piece_view(self.main_grad, i)
-                    dp.grad = row_sharded_dtensor(local, self.mesh, self.layout.rows_per_rank(i), dp.shape)
+        self.local_grad_flags = [a or b for a, b in zip(self.local_grad_flags, has_grad)]
+        self.expose_grads(has_grad)
         self.grads_reduced_this_step = True
+
+    def expose_grads(self, flags) -> None:
+        """Give ``dp.grad`` (a view of main_grad) to every parameter flagged and holding rows here.
+
+        Called with this rank's flags after each reduction, then with the flags of *all* ranks
+        at the end of backward (``hooks._sync_grad_presence``): a parameter used on some ranks only
+        (an MoE expert that got no tokens here) has a nonzero reduced gradient on every rank's rows,
+        so every rank must step it, while a parameter no rank used keeps ``grad = None`` (the
+        optimizer skips it, as it would unsharded)."""
+        for i, dp in enumerate(self.dist_params):
+            if flags[i] and dp.grad is None and self.layout.piece(i, self.rank).numel > 0:
+                local = self.weights.piece_view(self.main_grad, i)
+                dp.grad = row_sharded_dtensor(local, self.mesh, self.layout.rows_per_rank(i), dp.shape)

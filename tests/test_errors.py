@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from mfsdp2 import CollectiveError
+
 from ._dist import run_ranks
 from .models import Net, batch, build, loss_fn
 
@@ -51,6 +53,7 @@ EXPECTED = {
     "E26": (KeyError, "no tensor in"),
     "E27": (ValueError, "world_size must be >= 1"),
     "E28": (ValueError, "broadcast_from_rank0 expects full tensors"),
+    "E29": (CollectiveError, "did not finish within 2 s"),
 }
 
 
@@ -219,6 +222,16 @@ def _rows_ws2(rank, ws):
     mesh0 = DeviceMesh("cpu", [0])  # a mesh of rank 0 only, created on every rank
     if rank == 1:
         _capture(out, "E06", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh0))
+    # A rank that leaves (dies) while the other still runs a step.
+    import mfsdp2
+
+    net = _sharded_net(init_device_mesh("cpu", (ws,)))
+    dist.barrier()
+    if rank == 0:
+        return out  # rank 0 leaves; rank 1 waits for its first all-gather
+    mfsdp2.set_collective_timeout(2)
+    _capture(out, "E29", lambda: net(torch.zeros(1, 12)))
+    mfsdp2.set_collective_timeout(None)
     return out
 
 

@@ -151,3 +151,62 @@ def test_reshard_after_forward_int_gathers_inside_rank_blocks():
         # Last step: root + blocks gathered over all 4 ranks in forward; blocks re-gathered in
         # backward inside their block of 2 ranks only.
         assert sizes == [2] * n_blocks + [4] * (n_blocks + 1), sizes
+
+
+class _Routed(torch.nn.Module):
+    """Mixture-of-experts in miniature: each sample goes to one expert, chosen by its sign, so an
+    expert can get no tokens on one rank and some on another (its grad exists on some ranks only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        route = 2 - (x[:, 0] > 0).long() - (x[:, 1] > 2).long()  # expert 0 (rows on rank 0) is rare
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            idx = (route == e).nonzero().flatten()
+            if idx.numel():  # like HF MoE blocks: experts without tokens do not run at all
+                out = out.index_add(0, idx, expert(h[idx]))
+        return self.head(torch.relu(out + h)).squeeze(-1)
+
+
+def _routed_data(step):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(8, 4, generator=g)
+    x[4:, 1] = 3.0 if step % 2 else -3.0  # rank 1's half: expert 0 only on odd steps
+    return x, torch.randn(8, generator=g)
+
+
+def _routed_train(rank, ws, steps):
+    torch.manual_seed(0)
+    model = _Routed()
+    if ws:
+        mesh = init_device_mesh("cpu", (ws,))
+        # The experts stay inside one unit (as in a decoder layer): a unit that runs on some ranks
+        # only would issue its all-gather on those ranks only.
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(steps):
+        x, y = _routed_data(step)
+        n = 8 // max(ws, 1)
+        if ws:
+            x, y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: (p.full_tensor() if ws else p.detach().clone()) for k, p in model.named_parameters()}
+
+
+def test_parameters_used_on_some_ranks_only_train_like_the_reference():
+    """An expert that gets tokens on rank 1 only has a gradient there; the reduced gradient is
+    nonzero on every rank's rows, so every rank must step it (a rank that left its grad None would
+    never update its rows of that expert)."""
+    torch.set_num_threads(1)
+    ref = _routed_train(0, 0, 4)
+    for full in run_ranks(_routed_train, 2, 4):
+        for k, r in ref.items():
+            torch.testing.assert_close(full[k], r, rtol=1e-5, atol=1e-6, msg=k)
