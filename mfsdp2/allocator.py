@@ -80,16 +80,16 @@ class BucketAllocator:
         self.stats = AllocatorStats()
         self._live: dict[Hashable, torch.Tensor] = {}
 
-    def _obtain(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _obtain(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         raise TypeError(f"{type(self).__name__} must implement _obtain")
 
-    def _release(self, tensor: torch.Tensor) -> None:
+    def _release(self, key: Hashable, tensor: torch.Tensor) -> None:
         pass
 
     def allocate(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if key in self._live:
             raise RuntimeError(f"allocator: buffer {key!r} is already live; free it before allocating it again")
-        t = self._obtain(numel, dtype, torch.device(device))
+        t = self._obtain(key, numel, dtype, torch.device(device))
         self._live[key] = t
         self.stats._add(key, t.numel() * t.element_size(), +1)
         return t
@@ -97,7 +97,7 @@ class BucketAllocator:
     def free(self, key: Hashable) -> None:
         t = self._live.pop(key)
         self.stats._add(key, t.numel() * t.element_size(), -1)
-        self._release(t)
+        self._release(key, t)
 
     def mark_step(self, tag: Hashable = None) -> None:
         """A step (the root's forward and what follows it) begins; ``tag`` says what kind
@@ -110,7 +110,7 @@ class BucketAllocator:
 class DynamicAllocator(BucketAllocator):
     """Fresh memory for every request (what torch FSDP2 does); the baseline for benchmarks."""
 
-    def _obtain(self, numel, dtype, device):
+    def _obtain(self, key, numel, dtype, device):
         self.stats.underlying_allocations += 1
         return torch.empty(numel, dtype=dtype, device=device)
 
@@ -125,14 +125,14 @@ class CachingAllocator(BucketAllocator):
         super().__init__()
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
 
-    def _obtain(self, numel, dtype, device):
+    def _obtain(self, key, numel, dtype, device):
         bucket = self._free[(numel, dtype, device)]
         if bucket:
             return bucket.pop()
         self.stats.underlying_allocations += 1
         return torch.empty(numel, dtype=dtype, device=device)
 
-    def _release(self, tensor):
+    def _release(self, key, tensor):
         self._free[(tensor.numel(), tensor.dtype, tensor.device)].append(tensor)
 
     def cached_bytes(self) -> int:

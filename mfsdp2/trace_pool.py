@@ -174,41 +174,33 @@ class TracePoolAllocator(BucketAllocator):
             return None
         return plan.slots.get(idx)
 
-    def allocate(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if key in self._live:
-            raise RuntimeError(f"allocator: buffer {key!r} is already live; free it before allocating it again")
-        device = torch.device(device)
+    def _obtain(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         ev = ("a", key, numel, dtype, device)
         slot = self._planned_slot(len(self._events), ev)
         self._events.append(ev)
-        t, src = None, None
         if slot is not None:
             pk, off = slot
             pool = self._pools[pk]
             clash = next(((k, r) for k, r in pool.live.items() if r[0] < off + numel and off < r[1]), None)
             if clash is None:
-                t, src = pool.tensor[off : off + numel], pool
                 pool.live[key] = (off, off + numel, self._step_id)
+                self._source[key] = pool
                 self.trace_stats.pool_hits += 1
-            elif self.debug and clash[1][2] == self._step_id:
+                return pool.tensor[off : off + numel]
+            if self.debug and clash[1][2] == self._step_id:
                 raise AssertionError(
                     f"trace pool: planned slot [{off}, {off + numel}) for {key!r} overlaps live {clash[0]!r} "
                     f"{clash[1][:2]} of the same step: the plan is wrong"
                 )
-            else:  # a block that outlived its step sits there: never hand out shared bytes
-                self._note_divergence(f"slot of {key!r} still holds {clash[0]!r}")
-        if t is None:
-            t = self.fallback.allocate(key, numel, dtype, device)
-            self.trace_stats.fallback_hits += 1
-            self._sync_count()
-        self._source[key] = src
-        self._live[key] = t
-        self.stats._add(key, t.numel() * t.element_size(), +1)
+            # A block that outlived its step sits there: never hand out shared bytes.
+            self._note_divergence(f"slot of {key!r} still holds {clash[0]!r}")
+        t = self.fallback.allocate(key, numel, dtype, device)
+        self._source[key] = None
+        self.trace_stats.fallback_hits += 1
+        self._sync_count()
         return t
 
-    def free(self, key: Hashable) -> None:
-        t = self._live.pop(key)
-        self.stats._add(key, t.numel() * t.element_size(), -1)
+    def _release(self, key: Hashable, tensor: torch.Tensor) -> None:
         ev = ("f", key)
         plan, idx = self._plan, len(self._events)
         if plan is not None and not self._diverged and (idx >= len(plan.events) or plan.events[idx] != ev):
