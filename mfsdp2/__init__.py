@@ -7,12 +7,14 @@ from .allocator import BucketAllocator, CachingAllocator, DynamicAllocator, Trac
 from .comm import CollectiveError, comm_stats, set_collective_timeout
 from .diagnostics import check_buffers, check_finite_grads, describe, grad_norms, weight_norms
 from .layout import BufferLayout, plan_layout
+from .meta_init import materialize
 from .mixed_precision import MixedPrecisionPolicy
 from .module import FSDPModule, UnshardHandle, fully_shard
 from .placement import RowShard
 
 __all__ = [
     "fully_shard",
+    "materialize",
     "FSDPModule",
     "UnshardHandle",
     "MixedPrecisionPolicy",

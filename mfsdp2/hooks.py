@@ -136,6 +136,13 @@ def lazy_init(state: FSDPState) -> None:
                 "reshard it (module.reshard()) before running the parent's forward"
             )
     for s in states:
+        meta = [g.name for g in s.groups if g.needs_init]
+        if meta:
+            raise RuntimeError(
+                f"mfsdp2: the parameters of {meta} are still on the meta device (the model was built "
+                "under torch.device('meta')); call mfsdp2.materialize(model) after fully_shard and "
+                "before the first forward and before building the optimizer"
+            )
         if s is not state and s.allocator_spec is not None and s.allocator_spec is not state.allocator_spec:
             raise ValueError(
                 f"mfsdp2: allocator={s.allocator_spec!r} was given to {s.name!r}, which is not the root; "

@@ -177,12 +177,9 @@ def _collect(module: nn.Module, device: torch.device) -> tuple[list[list[ParamIn
                     "(wrap children first, root last) or the parameter is tensor-parallel, which is "
                     "not supported yet"
                 )
-            if p.device.type == "meta":
-                raise ValueError(
-                    f"mfsdp2: parameter {fqn!r} is on the meta device; materialise the module "
-                    "(to_empty + reset_parameters) before fully_shard"
-                )
-            if p.device != device and not (p.device.type == device.type == "cpu"):
+            if p.device.type == "meta":  # sharded now, values later: mfsdp2.materialize(model)
+                pass
+            elif p.device != device and not (p.device.type == device.type == "cpu"):
                 raise ValueError(
                     f"mfsdp2: parameter {fqn!r} is on {p.device} but the mesh computes on {device}; "
                     f"move the module with module.to({str(device)!r}) first"
@@ -248,6 +245,12 @@ def fully_shard(
     name = type(module).__name__  # renamed to its path under the root at the first forward
     infos, params = _collect(module, comm.device)
 
+    metas = {p.is_meta for p in params}
+    if len(metas) > 1:
+        raise ValueError(
+            f"mfsdp2: {name} mixes parameters on the meta device with materialised ones; build the "
+            "whole model under torch.device('meta') (then fully_shard and mfsdp2.materialize) or none of it"
+        )
     by_key: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
         if p.dim() == 0:

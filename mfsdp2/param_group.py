@@ -100,8 +100,11 @@ class ParameterGroup:
         # Which parameters had a local gradient in this backward's reductions (see expose_grads).
         self.local_grad_flags = [False] * len(params)
 
+        # Built under torch.device("meta"): the layout needs shapes only; the values come from
+        # mfsdp2.materialize(model), one module at a time.
+        self.needs_init = params[0].is_meta
         with torch.no_grad():
-            for i, p in enumerate(params):
+            for i, p in enumerate(params if not self.needs_init else []):
                 piece = self.weights.piece_view(self.main_weight, i)
                 lo = self.layout.piece(i, self.rank)
                 src = p.detach().reshape(p.shape)

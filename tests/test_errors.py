@@ -28,7 +28,7 @@ EXPECTED = {
     "E01": (ValueError, "fully_shard was already applied"),
     "E02": (ValueError, "is already a DTensor"),
     "E03": (ValueError, "0-dimensional"),
-    "E04": (ValueError, "on the meta device"),
+    "E04": (RuntimeError, "call mfsdp2.materialize(model)"),
     "E05": (ValueError, "2-D mesh was given"),
     "E06": (ValueError, "not part of the given mesh"),
     "E07": (ValueError, "must be True, False or a divisor"),
@@ -54,6 +54,8 @@ EXPECTED = {
     "E27": (ValueError, "world_size must be >= 1"),
     "E28": (ValueError, "broadcast_from_rank0 expects full tensors"),
     "E29": (CollectiveError, "did not finish within 2 s"),
+    "E30": (ValueError, "mixes parameters on the meta device"),
+    "E31": (RuntimeError, "but no reset_parameters()"),
 }
 
 
@@ -100,7 +102,25 @@ def _rows_ws1(rank, ws):
 
     with torch.device("meta"):
         meta = nn.Linear(3, 3)
-    _capture(out, "E04", lambda: fully_shard(meta, mesh=mesh))
+    fully_shard(meta, mesh=mesh)  # fine: shapes are all it needs; values come from materialize()
+    _capture(out, "E04", lambda: meta(torch.zeros(1, 3)))
+
+    with torch.device("meta"):
+        mixed = nn.Sequential(nn.Linear(3, 3))
+    mixed.append(nn.Linear(3, 3))
+    _capture(out, "E30", lambda: fully_shard(mixed, mesh=mesh))
+
+    class Bare(nn.Module):  # a parameter but no reset_parameters()
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, 4))
+
+    with torch.device("meta"):
+        bare = Bare()
+    fully_shard(bare, mesh=mesh)
+    from mfsdp2 import materialize
+
+    _capture(out, "E31", lambda: materialize(bare))
 
     _capture(out, "E05", lambda: fully_shard(nn.Linear(3, 3), mesh=init_device_mesh("cpu", (1, 1))))
     _capture(out, "E07", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, reshard_after_forward=3))
