@@ -23,6 +23,7 @@ from .comm import Communicator
 from .hooks import lazy_init, post_forward, pre_forward, reset, reshard, unshard_async, wait_unshard
 from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ParameterGroup, ParamInfo
+from .shared_params import adopt_shared, mark_owned
 from .state import FSDPState
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
@@ -244,6 +245,7 @@ def fully_shard(
             post_forward_comm = comm.subgroup(k)  # collective: all ranks create the groups together
     name = type(module).__name__  # renamed to its path under the root at the first forward
     infos, params = _collect(module, comm.device)
+    adopt_shared(module, infos, params)  # tied to a parameter a wrapped child sharded: take it over
 
     metas = {p.is_meta for p in params}
     if len(metas) > 1:
@@ -265,6 +267,7 @@ def fully_shard(
     ]
     state = FSDPState(module, name, mesh, comm, groups, mp_policy, reshard_after_forward, allocator)
     state.post_forward_comm = post_forward_comm
+    mark_owned(state, [[params[i] for i in idx] for idx in by_key.values()])
     for g in groups:
         g.register(unsharded=False, check=False)  # replaces the user's original parameters
 

@@ -56,6 +56,7 @@ EXPECTED = {
     "E29": (CollectiveError, "did not finish within 2 s"),
     "E30": (ValueError, "mixes parameters on the meta device"),
     "E31": (RuntimeError, "but no reset_parameters()"),
+    "E32": (ValueError, "belongs to the lowest common ancestor"),
 }
 
 
@@ -121,6 +122,11 @@ def _rows_ws1(rank, ws):
     from mfsdp2 import materialize
 
     _capture(out, "E31", lambda: materialize(bare))
+
+    tied = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    tied[1].weight = tied[0].weight
+    fully_shard(tied[0], mesh=mesh)  # two sibling units would share it: refused at the second
+    _capture(out, "E32", lambda: fully_shard(tied[1], mesh=mesh))
 
     _capture(out, "E05", lambda: fully_shard(nn.Linear(3, 3), mesh=init_device_mesh("cpu", (1, 1))))
     _capture(out, "E07", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, reshard_after_forward=3))

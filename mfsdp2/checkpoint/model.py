@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..placement import RowShard
 from ._common import check_loadable, full_of, global_rows, mark_write_nothing, relabel_rows, row_range
 
-__all__ = ["register_state_dict_hooks"]
+__all__ = ["register_state_dict_hooks", "mark_empty_pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +46,15 @@ def register_state_dict_hooks(module: nn.Module) -> None:
     """Called at the end of ``fully_shard``: hooks for ``state_dict`` / ``load_state_dict``."""
     module.register_state_dict_post_hook(_state_dict_post_hook)
     module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
-    # Empty pieces of the parameters themselves write nothing either (state_dict(keep_vars=True)).
     for g in module._mfsdp2_state.groups:
-        for i, dp in enumerate(g.dist_params):
-            if g.layout.piece(i, g.rank).numel == 0 and dp.numel() > 0:
-                mark_write_nothing(dp)
+        mark_empty_pieces(g)
+
+
+def mark_empty_pieces(g) -> None:
+    """Empty pieces of the parameters themselves write nothing either (state_dict(keep_vars=True))."""
+    for i, dp in enumerate(g.dist_params):
+        if g.layout.piece(i, g.rank).numel == 0 and dp.numel() > 0:
+            mark_write_nothing(dp)
 
 
 def _own_entries(state, prefix: str):
