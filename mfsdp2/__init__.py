@@ -4,7 +4,7 @@ See ``docs/design.md`` for the lifecycle, buffer layout, streams and allocator.
 """
 
 from .allocator import BucketAllocator, CachingAllocator, DynamicAllocator, TracePoolAllocator
-from .comm import CollectiveError, comm_stats, set_collective_timeout
+from .comm import CollectiveError, comm_stats, set_collective_checks, set_collective_timeout
 from .diagnostics import check_buffers, check_finite_grads, describe, grad_norms, weight_norms
 from .layout import BufferLayout, plan_layout
 from .meta_init import materialize
@@ -28,6 +28,7 @@ __all__ = [
     "comm_stats",
     "CollectiveError",
     "set_collective_timeout",
+    "set_collective_checks",
     "describe",
     "check_buffers",
     "grad_norms",

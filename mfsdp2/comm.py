@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import zlib
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -32,6 +33,7 @@ __all__ = [
     "Communicator",
     "CollectiveError",
     "set_collective_timeout",
+    "set_collective_checks",
     "tensors_overlap",
 ]
 
@@ -50,6 +52,20 @@ def set_collective_timeout(seconds: Optional[float]) -> None:
     if seconds is not None and seconds <= 0:
         raise ValueError(f"collective timeout must be > 0 seconds or None, got {seconds}")
     _timeout_s = seconds
+
+
+# Opt-in: before each of the runtime's collectives, the ranks compare what they are about to issue
+# (one small all-gather each time), so a rank that took another path through the model is named
+# before gloo sees mismatched sizes (which it answers by terminating the process).
+_check_collectives: bool = os.environ.get("MFSDP2_CHECK_COLLECTIVES", "0") == "1"
+_labels: dict[int, str] = {}
+
+
+def set_collective_checks(enabled: bool) -> None:
+    """Compare every collective's kind, unit and size across ranks before issuing it (a debugging
+    aid: one extra small all-gather per collective). Also ``MFSDP2_CHECK_COLLECTIVES=1``."""
+    global _check_collectives
+    _check_collectives = bool(enabled)
 
 
 class CollectiveError(RuntimeError):
@@ -193,6 +209,28 @@ class Communicator:
             event = torch.cuda.Event()
             event.record(stream)
         return CommHandle(event=event)
+
+    def verify(self, label: str, numel: int) -> None:
+        """With collective checks on (:func:`set_collective_checks`): raise CollectiveError on every
+        rank, naming what each rank was about to issue, when the ranks disagree."""
+        if not _check_collectives or self.world_size == 1:
+            return
+        h = zlib.crc32(label.encode()) & 0x7FFFFFFF
+        _labels[h] = label
+        mine = torch.tensor([h, numel], dtype=torch.int64, device=self.device)
+        every = torch.empty(self.world_size * 2, dtype=torch.int64, device=self.device)
+        work = dist.all_gather_single(every, mine, group=self.group, async_op=True)
+        _wait_work(work, f"collective check before the {label}")
+        rows = every.view(self.world_size, 2).tolist()
+        if any(r != rows[self.rank] for r in rows):
+            seen = "; ".join(
+                f"rank {i}: {_labels.get(r[0], f'a collective unknown here (#{r[0]:x})')} ({r[1]} elements)"
+                for i, r in enumerate(rows)
+            )
+            raise CollectiveError(
+                f"mfsdp2: the ranks are about to issue different collectives: {seen}. Every rank must run "
+                "the same units in the same order (same branches, same skipped modules)"
+            )
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> CommHandle:
         """Gather equal shards into ``out``; ``inp`` may be (and in our buffers is) ``out``'s slice."""

@@ -57,6 +57,7 @@ EXPECTED = {
     "E30": (ValueError, "mixes parameters on the meta device"),
     "E31": (RuntimeError, "but no reset_parameters()"),
     "E32": (ValueError, "belongs to the lowest common ancestor"),
+    "E33": (CollectiveError, "about to issue different collectives"),
 }
 
 
@@ -261,10 +262,23 @@ def _rows_ws2(rank, ws):
     return out
 
 
+def _rows_ws2_checks(rank, ws):
+    import mfsdp2
+
+    out: dict = {}
+    mfsdp2.set_collective_checks(True)
+    net = _sharded_net(init_device_mesh("cpu", (ws,)))
+    # Rank 1 runs one block on its own first: its first collective differs from rank 0's.
+    _capture(out, "E33", lambda: (net.blocks[1] if rank == 1 else net)(torch.zeros(1, 12 if rank == 0 else 16)))
+    mfsdp2.set_collective_checks(False)
+    return out
+
+
 @pytest.fixture(scope="module")
 def messages() -> dict:
     out = dict(run_ranks(_rows_ws1, 1)[0])
     out.update(run_ranks(_rows_ws2, 2)[1])
+    out.update(run_ranks(_rows_ws2_checks, 2)[0])
     # Without an initialised process group (this pytest process has none).
     assert not dist.is_initialized()
     from mfsdp2 import fully_shard
