@@ -270,9 +270,10 @@ def _errors(rank, ws):
         msgs.append(str(e))
     with torch.device("meta"):
         meta = nn.Linear(3, 3)
+    fully_shard(meta, mesh=mesh)  # accepted: shapes suffice; the values come from materialize()
     try:
-        fully_shard(meta, mesh=mesh)
-    except ValueError as e:
+        meta(torch.zeros(1, 3))
+    except RuntimeError as e:
         msgs.append(str(e))
     return msgs
 
@@ -283,7 +284,7 @@ def test_clear_errors():
     assert "already applied" in msgs[0]
     assert "'norm.weight' of Block" in msgs[1] and "wrap children first" in msgs[1]
     assert "0-dimensional" in msgs[2] and "'s'" in msgs[2]
-    assert "meta device" in msgs[3]
+    assert "meta device" in msgs[3] and "mfsdp2.materialize(model)" in msgs[3]
 
 
 class _Boom(Exception):
