@@ -134,12 +134,12 @@ class DataParallelBuffer:
             alloc.free(key)
 
     # -- collectives --------------------------------------------------------------------------
-    def all_gather(self, allocator=None, key=None) -> CommHandle:
+    def all_gather(self, allocator=None, key=None, label: str = "") -> CommHandle:
         """Fill the unsharded buffer from every rank's shard (in place: no copy-out)."""
         self.materialize(allocator, key)
         mine = self.local_slice(self._writer)
         mine.copy_(self.shard)
-        return self.comm.all_gather(self._writer, mine)
+        return self.comm.all_gather(self._writer, mine, label)
 
     # -- partial reshard (reshard_after_forward=<int>) -------------------------------------------
     # With groups of ``k`` consecutive ranks, rank ``r`` (local index ``l = r % k``) keeps the
@@ -152,7 +152,9 @@ class DataParallelBuffer:
         self.free_unsharded()
         return kept
 
-    def all_gather_in_group(self, kept: torch.Tensor, sub: Communicator, allocator=None, key=None) -> CommHandle:
+    def all_gather_in_group(
+        self, kept: torch.Tensor, sub: Communicator, allocator=None, key=None, label: str = ""
+    ) -> CommHandle:
         """Rebuild the full buffer from the group's kept shards (one strided copy after the wait)."""
         N, S = self.layout.world_size, self.layout.shard_numel
         k = sub.world_size
@@ -163,9 +165,11 @@ class DataParallelBuffer:
             # staging is [local rank l'][m] = shard m*k + l'; the buffer wants shard order.
             self._writer.view(N // k, k, S).copy_(staging.view(k, N // k, S).transpose(0, 1))
 
-        h = sub.all_gather(staging, kept.reshape(-1))
-        return CommHandle(then=lambda: (h.wait(), place()))
+        h = sub.all_gather(staging, kept.reshape(-1), label)
+        return CommHandle(then=lambda: (h.wait(), place()), label=label)
 
-    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, op, scratch: Optional[torch.Tensor] = None) -> CommHandle:
+    def reduce_scatter(
+        self, full: torch.Tensor, out: torch.Tensor, op, scratch: Optional[torch.Tensor] = None, label: str = ""
+    ) -> CommHandle:
         """Reduce a full-size flat tensor into ``out`` (shard size, must not alias ``full``)."""
-        return self.comm.reduce_scatter(out, full, op, scratch)
+        return self.comm.reduce_scatter(out, full, op, scratch, label)

@@ -200,15 +200,15 @@ class Communicator:
             self._subgroups[key] = Communicator(mine, self.device)
         return self._subgroups[key]
 
-    def _launch(self, stream, fn) -> CommHandle:
+    def _launch(self, stream, fn, label: str = "") -> CommHandle:
         if stream is None:
-            return CommHandle(work=fn(True))
+            return CommHandle(work=fn(True), label=label)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             fn(False)
             event = torch.cuda.Event()
             event.record(stream)
-        return CommHandle(event=event)
+        return CommHandle(event=event, label=label)
 
     def verify(self, label: str, numel: int) -> None:
         """With collective checks on (:func:`set_collective_checks`): raise CollectiveError on every
@@ -232,17 +232,22 @@ class Communicator:
                 "the same units in the same order (same branches, same skipped modules)"
             )
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> CommHandle:
-        """Gather equal shards into ``out``; ``inp`` may be (and in our buffers is) ``out``'s slice."""
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, label: str = "") -> CommHandle:
+        """Gather equal shards into ``out``; ``inp`` may be (and in our buffers is) ``out``'s slice.
+
+        ``label`` (every collective method takes one) names the collective in errors and in the
+        cross-rank check of :func:`set_collective_checks`."""
         comm_stats.all_gather_calls += 1
         comm_stats.all_gather_bytes += out.numel() * out.element_size()
         if self.world_size == 1:
             if inp.data_ptr() != out.data_ptr():
                 out.copy_(inp)
             return _DONE
+        self.verify(label, out.numel())
         return self._launch(
             self.ag_stream,
             lambda a: dist.all_gather_single(out, inp, group=self.group, async_op=a),
+            label,
         )
 
     def reduce_scatter_scratch_numel(self, shard_numel: int, op=dist.ReduceOp.AVG) -> int:
@@ -253,7 +258,12 @@ class Communicator:
         return 0
 
     def reduce_scatter(
-        self, out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp.AVG, scratch: Optional[torch.Tensor] = None
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        op=dist.ReduceOp.AVG,
+        scratch: Optional[torch.Tensor] = None,
+        label: str = "",
     ) -> CommHandle:
         """Reduce ``inp`` over ranks and scatter equal pieces into ``out``, which must not alias it.
 
@@ -269,14 +279,18 @@ class Communicator:
         if self.world_size == 1:
             out.copy_(inp)
             return _DONE
+        self.verify(label, inp.numel())
         if self.p2p_reduce_scatter and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return self._p2p_reduce_scatter(out, inp, op, scratch)
+            return self._p2p_reduce_scatter(out, inp, op, scratch, label)
         return self._launch(
             self.rs_stream,
             lambda a: dist.reduce_scatter_single(out, inp, op=op, group=self.group, async_op=a),
+            label,
         )
 
-    def _p2p_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, scratch: Optional[torch.Tensor]) -> CommHandle:
+    def _p2p_reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, op, scratch: Optional[torch.Tensor], label: str
+    ) -> CommHandle:
         """gloo only: reduce-scatter from point-to-point sends (gloo runs ``reduce_scatter_tensor``
         as a full all-reduce, twice the bytes; ``benchmarks/ring_reduce_scatter.py`` measured this
         2-3x faster). Every rank posts all its sends and receives at once, so the whole exchange
@@ -302,14 +316,18 @@ class Communicator:
             if op == dist.ReduceOp.AVG:
                 out.div_(n)
 
-        return CommHandle(work=works, then=reduce)
+        return CommHandle(work=works, then=reduce, label=label)
 
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None) -> CommHandle:
+    def all_reduce(
+        self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None, label: str = ""
+    ) -> CommHandle:
         group = group or self.group
         comm_stats.all_reduce_calls += 1
         comm_stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
         if dist.get_world_size(group) == 1:
             return _DONE
+        if group is self.group:
+            self.verify(label, tensor.numel())
         return self._launch(
-            self.ar_stream, lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a)
+            self.ar_stream, lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), label
         )

@@ -71,11 +71,9 @@ def unshard_async(state: FSDPState) -> None:
             key = ("weight", state.name, i)
             # From a partial reshard only the rank block gathers (e.g. inside a node).
             label = f"all-gather of unit {state.name!r} ({g.name}, step {step})"
-            (state.post_forward_comm if partial else state.comm).verify(label, g.layout.total_numel)
-            h = g.unshard_from_group(state.post_forward_comm, alloc, key) if partial else g.unshard(alloc, key)
-            if h.pending:
-                h.label = label
-            state.pending_unshard.append(h)
+            state.pending_unshard.append(
+                g.unshard_from_group(state.post_forward_comm, alloc, key, label) if partial else g.unshard(alloc, key, label)
+            )
         state.shard_state = ShardState.UNSHARDING
 
 
@@ -295,9 +293,7 @@ def post_backward(state: FSDPState) -> None:
             for i, g in enumerate(state.groups):
                 if g.requires_grad and g.has_unsharded_grads():
                     label = f"reduce-scatter of unit {state.name!r} ({g.name}, step {ctx.step})"
-                    state.comm.verify(label, g.layout.total_numel)
-                    g.reduce_grads(ctx.allocator, (state.name, i))
-                    g.label_pending_reduce(label)
+                    g.reduce_grads(ctx.allocator, (state.name, i), label)
                     issued = True
             if issued:
                 event_log.record("rs_issue", state.name)
@@ -334,10 +330,7 @@ def _sync_grad_presence(ctx: RootContext) -> None:
     if ctx.root.comm.world_size > 1:
         flags = torch.tensor([f for g in groups for f in g.local_grad_flags], dtype=torch.uint8, device=ctx.root.comm.device)
         label = f"gradient-presence all-reduce (end of backward, step {ctx.step})"
-        ctx.root.comm.verify(label, flags.numel())
-        h = ctx.root.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        h.label = label if h.pending else h.label
-        h.wait()
+        ctx.root.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, label=label).wait()
         flat = flags.tolist()
         k = 0
         for g in groups:

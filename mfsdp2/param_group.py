@@ -169,12 +169,12 @@ class ParameterGroup:
     def is_unsharded(self) -> bool:
         return self.weights.is_unsharded
 
-    def unshard(self, allocator: Optional[BucketAllocator] = None, key=None) -> CommHandle:
+    def unshard(self, allocator: Optional[BucketAllocator] = None, key=None, label: str = "") -> CommHandle:
         """Gather the model weights into a block from ``allocator`` (keyed ``key``)."""
         self.refresh_model_shard()
         self.gathered_version = self.main_version()
         with torch.no_grad():
-            return self.weights.all_gather(allocator, key)
+            return self.weights.all_gather(allocator, key, label)
 
     @property
     def stale(self) -> bool:
@@ -189,16 +189,18 @@ class ParameterGroup:
         """Keep what a gather inside ``sub`` (a block of consecutive ranks) needs; free the rest."""
         self.kept = self.weights.keep_for_group(sub.world_size)
 
-    def unshard_from_group(self, sub: Communicator, allocator: Optional[BucketAllocator] = None, key=None) -> CommHandle:
+    def unshard_from_group(
+        self, sub: Communicator, allocator: Optional[BucketAllocator] = None, key=None, label: str = ""
+    ) -> CommHandle:
         kept, self.kept = self.kept, None
         with torch.no_grad():
-            return self.weights.all_gather_in_group(kept, sub, allocator, key)
+            return self.weights.all_gather_in_group(kept, sub, allocator, key, label)
 
     # -- gradients ----------------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:
         return any(p.grad is not None for p in self.unsharded_params)
 
-    def reduce_grads(self, allocator: BucketAllocator, key) -> None:
+    def reduce_grads(self, allocator: BucketAllocator, key, label: str = "") -> None:
         """Pack the unsharded grads into a flat buffer and issue its reduce-scatter (async).
 
         Parameters with no local gradient contribute zeros so every rank issues the same
@@ -237,7 +239,7 @@ class ParameterGroup:
                 out = allocator.allocate(("rs_out", key), layout.shard_numel, self.reduce_dtype, self.device)
             n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, dist.ReduceOp.AVG)
             scratch = allocator.allocate(("rs_recv", key), n_scratch, self.reduce_dtype, self.device) if n_scratch else None
-            handle = self.weights.reduce_scatter(full, out, dist.ReduceOp.AVG, scratch)
+            handle = self.weights.reduce_scatter(full, out, dist.ReduceOp.AVG, scratch, label)
         self._pending_reduce = (handle, direct, out, tuple(has_grad), key)
 
     # -- main grads ---------------------------------------------------------------------------
@@ -286,11 +288,6 @@ class ParameterGroup:
                 allocator.free(("rs_out", key))
         for up in self.unsharded_params:
             up.grad = None
-
-    def label_pending_reduce(self, label: str) -> None:
-        """Name the in-flight reduce-scatter for errors (see :class:`~mfsdp2.comm.CollectiveError`)."""
-        if self._pending_reduce is not None and self._pending_reduce[0].pending:
-            self._pending_reduce[0].label = label
 
     @property
     def reduce_pending(self) -> bool:

@@ -51,12 +51,12 @@ def _zero_copy_and_alias(rank, ws):
     seen = []
     orig = group.weights.comm.reduce_scatter
 
-    def spy(out, inp, op=dist.ReduceOp.AVG, scratch=None):
+    def spy(out, inp, op=dist.ReduceOp.AVG, scratch=None, label=""):
         overlap = tensors_overlap(out, inp)
         if scratch is not None:  # gloo's p2p path receives into scratch: it must alias neither
             overlap = overlap or tensors_overlap(scratch, inp) or tensors_overlap(scratch, out)
         seen.append((overlap, out.numel(), inp.numel()))
-        return orig(out, inp, op, scratch)
+        return orig(out, inp, op, scratch, label)
 
     group.weights.comm.reduce_scatter = spy
     loss_fn(model(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]).backward()
