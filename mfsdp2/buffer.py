@@ -42,19 +42,23 @@ class DataParallelBuffer:
         device: torch.device,
         comm: Communicator,
         shard: Optional[torch.Tensor] = None,
+        persistent: bool = False,
     ):
         if layout.world_size != comm.world_size:
             raise ValueError(f"layout planned for {layout.world_size} ranks, group has {comm.world_size}")
+        if persistent and shard is not None:
+            raise ValueError("a persistent buffer's shard is its own slice of the unsharded storage")
         self.layout = layout
         self.dtype = dtype
         self.device = device
         self.comm = comm
         self.rank = comm.rank
+        # persistent (strategies that keep full model weights): the unsharded storage keeps its
+        # own memory for the buffer's life and the shard is this rank's slice of it, so holding
+        # the full weights costs P elements, not P + P/N.
+        self.persistent = persistent
         S = layout.shard_numel
-        self.shard = shard if shard is not None else torch.zeros(S, dtype=dtype, device=device)
-        if self.shard.numel() != S or self.shard.dtype != dtype:
-            raise ValueError(f"shard must have {S} elements of {dtype}")
-        self.unsharded = torch.empty(layout.total_numel, dtype=dtype, device=device)
+        self.unsharded = (torch.zeros if persistent else torch.empty)(layout.total_numel, dtype=dtype, device=device)
         self._storage = self.unsharded.untyped_storage()
         self._nbytes = self._storage.nbytes()
         # Where the gathered bytes come from while unsharded: (block tensor, allocator, key);
@@ -72,6 +76,14 @@ class DataParallelBuffer:
         self._writer = torch.empty(0, dtype=dtype, device=device).set_(
             self._storage, 0, (layout.total_numel,), (1,)
         )
+        if persistent:
+            # A third alias with its own version counter: the optimizer's in-place updates of
+            # the shard (step detection reads them) must not be confused with the gathers.
+            owner = torch.empty(0, dtype=dtype, device=device).set_(self._storage, 0, (layout.total_numel,), (1,))
+            shard = self.local_slice(owner)
+        self.shard = shard if shard is not None else torch.zeros(S, dtype=dtype, device=device)
+        if self.shard.numel() != S or self.shard.dtype != dtype:
+            raise ValueError(f"shard must have {S} elements of {dtype}")
 
     # -- geometry -----------------------------------------------------------------------------
     @property
@@ -125,7 +137,7 @@ class DataParallelBuffer:
         self._point_storage_at(block.data_ptr(), self._nbytes)
 
     def free_unsharded(self) -> None:
-        if not self.is_unsharded:
+        if self.persistent or not self.is_unsharded:
             return
         self._point_storage_at(0, 0)
         alloc, key = self._alloc, self._key
@@ -138,7 +150,8 @@ class DataParallelBuffer:
         """Fill the unsharded buffer from every rank's shard (in place: no copy-out)."""
         self.materialize(allocator, key)
         mine = self.local_slice(self._writer)
-        mine.copy_(self.shard)
+        if mine.data_ptr() != self.shard.data_ptr():  # a persistent buffer's shard is ``mine``
+            mine.copy_(self.shard)
         return self.comm.all_gather(self._writer, mine, label)
 
     # -- partial reshard (reshard_after_forward=<int>) -------------------------------------------

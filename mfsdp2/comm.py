@@ -163,11 +163,14 @@ _DONE = CommHandle()
 class Communicator:
     """Collectives over one process group on one device."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device):
+        # group=None: this rank alone (the shard group of ``no_shard``, where every rank holds
+        # everything); every collective is then a local copy or nothing.
         self.group = group
         self.device = device
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.backend = dist.get_backend(group) if group is not None else "local"
         cuda = device.type == "cuda"
         self.ag_stream = torch.cuda.Stream(device) if cuda else None
         self.rs_stream = torch.cuda.Stream(device) if cuda else None
@@ -177,9 +180,16 @@ class Communicator:
         # MFSDP2_GLOO_P2P_REDUCE_SCATTER=0 turns it off.
         self.p2p_reduce_scatter = (
             not cuda
-            and dist.get_backend(group) == "gloo"
+            and self.backend == "gloo"
             and os.environ.get("MFSDP2_GLOO_P2P_REDUCE_SCATTER", "1") != "0"
         )
+
+    def premul_sum(self, factor: float):
+        """NCCL's PREMUL_SUM (scale by ``factor`` inside the reduction), or None where the backend
+        has none (gloo: the caller pre-scales while packing instead)."""
+        if self.backend == "nccl" and hasattr(dist, "_make_nccl_premul_sum"):
+            return dist._make_nccl_premul_sum(factor)
+        return None
 
     def subgroup(self, size: int) -> "Communicator":
         """The communicator of this rank's block of ``size`` consecutive ranks of the group.
@@ -321,13 +331,21 @@ class Communicator:
     def all_reduce(
         self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None, label: str = ""
     ) -> CommHandle:
+        """All-reduce in place. ``AVG`` works on every backend: gloo has no AVG all-reduce, so
+        there it is a SUM followed by a division when the handle is waited on."""
         group = group or self.group
+        n = dist.get_world_size(group) if group is not None else 1
         comm_stats.all_reduce_calls += 1
         comm_stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
-        if dist.get_world_size(group) == 1:
+        if n == 1:
             return _DONE
         if group is self.group:
             self.verify(label, tensor.numel())
-        return self._launch(
-            self.ar_stream, lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), label
+        emulate_avg = op == dist.ReduceOp.AVG and dist.get_backend(group) != "nccl"
+        wire_op = dist.ReduceOp.SUM if emulate_avg else op
+        handle = self._launch(
+            self.ar_stream, lambda a: dist.all_reduce(tensor, op=wire_op, group=group, async_op=a), label
         )
+        if not emulate_avg:
+            return handle
+        return CommHandle(then=lambda: (handle.wait(), tensor.div_(n)), label=label)

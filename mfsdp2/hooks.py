@@ -36,6 +36,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .profiling import event_log, trace_range
+from .te import attach_main_grads
 from .state import FSDPState, RootContext, ShardState, TrainingState
 
 __all__ = ["pre_forward", "post_forward", "unshard_async", "wait_unshard", "reshard", "lazy_init", "reset"]
@@ -71,9 +72,9 @@ def unshard_async(state: FSDPState) -> None:
             key = ("weight", state.name, i)
             # From a partial reshard only the rank block gathers (e.g. inside a node).
             label = f"all-gather of unit {state.name!r} ({g.name}, step {step})"
-            state.pending_unshard.append(
-                g.unshard_from_group(state.post_forward_comm, alloc, key, label) if partial else g.unshard(alloc, key, label)
-            )
+            h = g.unshard_from_group(state.post_forward_comm, alloc, key, label) if partial else g.unshard(alloc, key, label)
+            if h is not None:  # None: persistent weights, already current on every rank
+                state.pending_unshard.append(h)
         state.shard_state = ShardState.UNSHARDING
 
 
@@ -189,6 +190,7 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
                     g.release_main_grad()
             # A step begins: the trace-pool allocator keeps one plan per kind of step.
             ctx.allocator.mark_step(("train" if grad else "eval", state.requires_gradient_sync))
+            _agree_on_gathers(ctx)
         state.training_state = TrainingState.FORWARD
         prefetch = ctx.schedule.on_forward(state)
         unshard_async(state)
@@ -208,6 +210,33 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     if state.mp.param_dtype is not None and state.mp.cast_forward_inputs:
         args, kwargs = tree_map(functools.partial(_cast, dtype=state.mp.param_dtype), (args, kwargs))
     return args, kwargs
+
+
+def _agree_on_gathers(ctx: RootContext) -> None:
+    """One small all-reduce (MAX) per forward, for every unit at once, when some groups keep
+    persistent weights or gather in FP8.
+
+    * Persistent weights (``optim``, ``optim_grads``) are gathered again only after an optimizer
+      step. A rank that holds no rows of a group sees no step (its version counters do not move)
+      while the others do; deciding locally would make the ranks issue different collectives.
+    * FP8 groups need one scale per parameter that every rank shares: the max of the ranks' amax.
+    """
+    persistent = [g for s in ctx.states for g in s.groups if g.persistent and g.comm.world_size > 1]
+    fp8 = [g for s in ctx.states for g in s.groups if g.fp8 is not None]
+    if not persistent and not fp8:
+        return
+    from .fp8 import agree_scales
+
+    comm = (persistent or fp8)[0].comm
+    parts = [torch.tensor([1.0 if g.main_version() != g.gathered_version else 0.0 for g in persistent])]
+    parts += [g.fp8.local_amax() for g in fp8]
+    vec = torch.cat([p.to(device=comm.device, dtype=torch.float32) for p in parts])
+    label = f"gather agreement (stale flags, fp8 amax) at the forward of step {ctx.step}"
+    comm.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, label=label).wait()
+    flags = vec[: len(persistent)].tolist()
+    for g, f in zip(persistent, flags):
+        g.agreed_stale = f > 0
+    agree_scales(fp8, vec, len(persistent))
 
 
 def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -267,6 +296,9 @@ def _pre_backward(state: FSDPState) -> None:
         if s.forward_with_grad or s.expect_backward:  # never gather a unit no backward will use
             unshard_async(s)
     wait_unshard(state)
+    for i, g in enumerate(state.groups):
+        if g.te_fused:  # TransformerEngine writes wgrads into param.main_grad: our buffer
+            attach_main_grads(g, ctx.allocator, (state.name, i))
     event_log.record("backward_begin", state.name)
 
 
@@ -327,10 +359,13 @@ def _sync_grad_presence(ctx: RootContext) -> None:
     groups = [g for s in ctx.states for g in s.groups if g.requires_grad and g.grads_reduced_this_step]
     if not groups:
         return
-    if ctx.root.comm.world_size > 1:
-        flags = torch.tensor([f for g in groups for f in g.local_grad_flags], dtype=torch.uint8, device=ctx.root.comm.device)
+    # Over the shard group, then across replicas (HSDP; no_shard's only group).
+    comms = [c for c in (groups[0].comm, groups[0].replicate_comm) if c is not None and c.world_size > 1]
+    if comms:
+        flags = torch.tensor([f for g in groups for f in g.local_grad_flags], dtype=torch.uint8, device=groups[0].device)
         label = f"gradient-presence all-reduce (end of backward, step {ctx.step})"
-        ctx.root.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, label=label).wait()
+        for c in comms:
+            c.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, label=label).wait()
         flat = flags.tolist()
         k = 0
         for g in groups:

@@ -4,6 +4,10 @@ FSDP2-compatible fields (``param_dtype``, ``reduce_dtype``, ``output_dtype``,
 ``cast_forward_inputs``) plus where the optimizer-facing copies live: ``main_params_dtype`` (the
 sharded weights the optimizer updates) and ``main_grads_dtype`` (the sharded gradient it reads).
 Keeping both in fp32 while computing in bf16 is what makes bf16 training match fp32 training.
+
+``all_gather_dtype=torch.float8_e4m3fn`` gathers the matmul weights (parameters with two or more
+dimensions) as float8 with one scale per parameter, half of bf16's bytes (see :mod:`mfsdp2.fp8`).
+Unlike FSDP2, parameters of different dtypes may share a module: each dtype gets its own group.
 """
 
 from __future__ import annotations
@@ -30,6 +34,21 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
     main_params_dtype: Optional[torch.dtype] = torch.float32
     main_grads_dtype: Optional[torch.dtype] = torch.float32
+    all_gather_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype", "main_params_dtype", "main_grads_dtype"):
+            d = getattr(self, name)
+            if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
+                raise ValueError(f"mfsdp2: MixedPrecisionPolicy.{name} must be a floating-point torch.dtype or None, got {d!r}")
+        fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+        if self.all_gather_dtype is not None and self.all_gather_dtype not in fp8:
+            raise ValueError(
+                f"mfsdp2: MixedPrecisionPolicy.all_gather_dtype must be None or a float8 dtype "
+                f"(torch.float8_e4m3fn, torch.float8_e5m2), got {self.all_gather_dtype!r}"
+            )
+        if self.all_gather_dtype is not None and self.param_dtype in fp8:
+            raise ValueError("mfsdp2: param_dtype is the compute dtype; float8 goes in all_gather_dtype")
 
     def compute_dtype(self, orig: torch.dtype) -> torch.dtype:
         return self.param_dtype if self.param_dtype is not None and orig.is_floating_point else orig

@@ -22,9 +22,10 @@ from .allocator import BucketAllocator
 from .comm import Communicator
 from .hooks import lazy_init, post_forward, pre_forward, reset, reshard, unshard_async, wait_unshard
 from .mixed_precision import MixedPrecisionPolicy
-from .param_group import ParameterGroup, ParamInfo
+from .param_group import GroupConfig, ParameterGroup, ParamInfo
 from .shared_params import adopt_shared, mark_owned
 from .state import FSDPState
+from .strategy import ShardingStrategy, Topology
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
 
@@ -79,6 +80,25 @@ class FSDPModule:
         for s in self._units(recurse):
             s.requires_gradient_sync = requires_gradient_sync
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False skips the all-reduce across replicas (gradient accumulation with only the
+        reduce-scatter); the shard-group results are summed and all-reduced at the next backward
+        with it True. No effect without a replicate dimension."""
+        for s in self._units(recurse):
+            for g in s.groups:
+                g.requires_all_reduce = requires_all_reduce
+
+    def set_gradient_divide_factor(self, factor: Optional[float], *, recurse: bool = True) -> None:
+        """Divide the summed gradients by ``factor`` instead of averaging over the data-parallel
+        ranks: ``1.0`` sums (per-token-loss training, where the loss is already normalised by the
+        global token count), ``None`` restores the mean. NCCL applies it inside the reduction
+        (PREMUL_SUM); other backends pre-scale while packing the gradients."""
+        if factor is not None and not factor > 0:
+            raise ValueError(f"mfsdp2: gradient divide factor must be > 0 or None, got {factor!r}")
+        for s in self._units(recurse):
+            for g in s.groups:
+                g.divide_factor = None if factor is None else float(factor)
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for s in self._units(recurse):
             s.reshard_after_backward = reshard_after_backward
@@ -108,26 +128,46 @@ class FSDPModule:
     def memory_stats(self) -> dict[str, int]:
         """Bytes the runtime owns on this rank for the units under this root.
 
-        ``persistent_bytes``: main weights and separate model-weight shards;
-        ``transient_peak_bytes`` / ``transient_live_bytes``: what the shared allocator serves --
-        unsharded weights, gradient buffers and main grads (these live from the first reduction
-        to the next forward after ``zero_grad(set_to_none=True)``) -- peak since the last
-        ``stats.reset_peak()``; ``cached_bytes``: memory the allocator holds for reuse while no
-        buffer uses it (the caching allocator's free blocks; the trace pool's pools).
+        Persistent memory by kind, each byte counted once (the main weights of ``optim`` /
+        ``optim_grads`` / ``no_shard`` in the model dtype are a slice of the model weights and
+        count there): ``model_weight_bytes`` (model-dtype shards, or the full weights the
+        strategy keeps), ``main_weight_bytes``, ``main_grad_bytes`` (while they exist: from the
+        first reduction to the forward after ``zero_grad(set_to_none=True)``), ``fp8_bytes``
+        (quantised shards) and ``partial_grad_bytes`` (HSDP sums waiting for an all-reduce);
+        ``persistent_bytes`` = model + main + fp8. ``transient_peak_bytes`` /
+        ``transient_live_bytes``: what the shared allocator serves -- unsharded weights,
+        gradient buffers and main grads -- peak since the last ``stats.reset_peak()``;
+        ``cached_bytes``: memory the allocator holds for reuse while no buffer uses it.
         """
-        persistent = 0
-        for s in self._units(True):
-            for g in s.groups:
-                persistent += g.main_weight.numel() * g.main_weight.element_size()
-                if g.weights.shard is not g.main_weight:
-                    persistent += g.weights.shard.numel() * g.weights.shard.element_size()
+        seen: list[tuple[int, int]] = []
+
+        def distinct(t: Optional[torch.Tensor]) -> int:
+            if t is None or t.numel() == 0:
+                return 0
+            lo = t.data_ptr()
+            hi = lo + t.numel() * t.element_size()
+            if any(a <= lo and hi <= b for a, b in seen):
+                return 0
+            seen.append((lo, hi))
+            return hi - lo
+
+        out = dict.fromkeys(("model_weight_bytes", "main_weight_bytes", "main_grad_bytes", "fp8_bytes", "partial_grad_bytes"), 0)
+        groups = [g for s in self._units(True) for g in s.groups]
+        for g in groups:
+            out["model_weight_bytes"] += distinct(g.weights.unsharded if g.persistent else g.weights.shard)
+        for g in groups:
+            out["main_weight_bytes"] += distinct(g.main_weight)
+            out["main_grad_bytes"] += distinct(g.main_grad_full if g.main_grad_full is not None else g.main_grad)
+            out["fp8_bytes"] += distinct(g.fp8.bytes.shard if g.fp8 is not None else None)
+            out["partial_grad_bytes"] += distinct(g.partial)
+        out["persistent_bytes"] = out["model_weight_bytes"] + out["main_weight_bytes"] + out["fp8_bytes"]
         stats = self.allocator.stats
-        return {
-            "persistent_bytes": persistent,
-            "transient_peak_bytes": stats.peak_bytes,
-            "transient_live_bytes": stats.live_bytes,
-            "cached_bytes": self.allocator.cached_bytes() if hasattr(self.allocator, "cached_bytes") else 0,
-        }
+        out.update(
+            transient_peak_bytes=stats.peak_bytes,
+            transient_live_bytes=stats.live_bytes,
+            cached_bytes=self.allocator.cached_bytes() if hasattr(self.allocator, "cached_bytes") else 0,
+        )
+        return out
 
     @property
     def allocator(self) -> BucketAllocator:
@@ -150,11 +190,12 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _communicator(mesh: DeviceMesh) -> Communicator:
+def _communicator(mesh: DeviceMesh, dim: Optional[int]) -> Communicator:
+    """The (cached) communicator of mesh dimension ``dim``; ``None``: this rank alone."""
     device = (
         torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
     )
-    group = mesh.get_group()
+    group = mesh.get_group(dim) if dim is not None else None
     key = (id(group), str(device))
     if key not in _communicators:
         _communicators[key] = Communicator(group, device)
@@ -204,6 +245,7 @@ def fully_shard(
     reshard_after_forward: Union[bool, int] = True,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     allocator: Union[str, BucketAllocator, None] = None,
+    sharding_strategy: Union[str, ShardingStrategy] = "optim_grads_params",
 ) -> nn.Module:
     """Shard ``module``'s own parameters over ``mesh`` and make it an :class:`FSDPModule`.
 
@@ -212,6 +254,11 @@ def fully_shard(
     of the group size, e.g. ranks per node) keeps ``N/k`` shards so backward gathers only inside
     blocks of ``k`` consecutive ranks. ``allocator`` is read from the root only
     (``"caching"`` default, ``"dynamic"``, ``"trace_pool"`` or a :class:`~mfsdp2.allocator.BucketAllocator`).
+
+    ``mesh``: 1-D (the data-parallel ranks) or 2-D ``(replicate, shard)`` for HSDP. Parameters that
+    are already tensor-parallel DTensors are sharded over ``mesh`` and keep their TP placement.
+    ``sharding_strategy``: ``"optim_grads_params"`` (ZeRO-3, default), ``"optim_grads"``
+    (ZeRO-2), ``"optim"`` (ZeRO-1) or ``"no_shard"`` (DDP); see :mod:`mfsdp2.strategy`.
     """
     if isinstance(module, FSDPModule):
         raise ValueError(
@@ -222,16 +269,27 @@ def fully_shard(
             f"mfsdp2: unknown allocator {allocator!r} for {type(module).__name__}: use 'caching', 'dynamic', "
             "'trace_pool' or a BucketAllocator instance"
         )
+    where = type(module).__name__
+    strategy = ShardingStrategy.parse(sharding_strategy, where)
     mesh = mesh if mesh is not None else _default_mesh()
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"mfsdp2: a {mesh.ndim}-D mesh was given; only 1-D data-parallel meshes are supported so far"
-        )
+    topology = Topology.of(mesh.ndim, strategy, where)
     if mesh.get_coordinate() is None:
         raise ValueError("mfsdp2: this rank is not part of the given mesh")
-    comm = _communicator(mesh)
+    comm = _communicator(mesh, topology.shard_dim)
+    replicate = _communicator(mesh, topology.replicate_dim) if topology.replicate_dim is not None else None
+    if mp_policy.all_gather_dtype is not None and not strategy.shards_params:
+        raise ValueError(
+            f"mfsdp2: all_gather_dtype (FP8 all-gather) for {where} needs sharding_strategy="
+            f"'optim_grads_params': {strategy.value!r} gathers the weights once per step and keeps them"
+        )
     post_forward_comm = None
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+    is_int = isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool)
+    if is_int and not strategy.shards_params:
+        raise ValueError(
+            f"mfsdp2: reshard_after_forward={reshard_after_forward} for {where} applies to "
+            f"sharding_strategy='optim_grads_params' only; {strategy.value!r} keeps the full weights"
+        )
+    if is_int:
         k = reshard_after_forward
         if k < 1 or comm.world_size % k:
             raise ValueError(
@@ -260,10 +318,14 @@ def fully_shard(
                 f"mfsdp2: parameter {infos[i][0].fqn!r} of {name} is 0-dimensional; FSDP shards dim 0, "
                 "so store it with shape (1,)"
             )
-        by_key.setdefault((p.dtype, p.requires_grad), []).append(i)
+        fp8 = mp_policy.all_gather_dtype if p.dim() >= 2 and p.dtype.is_floating_point else None
+        by_key.setdefault((p.dtype, p.requires_grad, fp8), []).append(i)
     groups = [
-        ParameterGroup(name, [infos[i] for i in idx], [params[i] for i in idx], mesh, comm, comm.device, mp_policy)
-        for idx in by_key.values()
+        ParameterGroup(
+            name, [infos[i] for i in idx], [params[i] for i in idx], mesh, comm, comm.device, mp_policy,
+            GroupConfig(strategy, topology.shard_dim, replicate, key[2]),
+        )
+        for key, idx in by_key.items()
     ]
     state = FSDPState(module, name, mesh, comm, groups, mp_policy, reshard_after_forward, allocator)
     state.post_forward_comm = post_forward_comm

@@ -15,6 +15,11 @@ view of this rank's rows in ``main_weight`` and whose ``.grad`` is a view into `
 that holds no rows of a parameter gives it ``grad = None``: fused multi-tensor optimizers handed
 empty tensors corrupt the neighbouring parameters' updates.
 
+Strategies (:mod:`mfsdp2.strategy`): with ``no_shard`` / ``optim`` / ``optim_grads`` the model
+weights are a *persistent* buffer (gathered once per optimizer step; the main weights are its local
+slice when the dtypes match), and with ``no_shard`` / ``optim`` the main gradient is full-size
+and reduced by all-reduce. HSDP adds an all-reduce of the shard-group result across replicas.
+
 Step detection: the optimizer's in-place update of a DTensor parameter bumps that parameter's
 version counter (not ``main_weight``'s: the counters are not shared through the DTensor wrapper),
 so the next unshard sees a new version sum and re-casts the model shard. No user call is needed.
@@ -34,11 +39,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from .allocator import BucketAllocator
 from .buffer import DataParallelBuffer
 from .comm import CommHandle, Communicator
+from .fp8 import Float8Gather
 from .layout import plan_layout
 from .mixed_precision import MixedPrecisionPolicy
-from .placement import row_sharded_dtensor
+from .placement import data_parallel_dtensor
+from .strategy import ShardingStrategy
+from .te import detach_main_grads, fuses_wgrad  # TE's attribute protocol; TE itself is never imported
 
-__all__ = ["ParamInfo", "ParameterGroup"]
+__all__ = ["ParamInfo", "GroupConfig", "ParameterGroup"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +60,28 @@ class ParamInfo:
     fqn: str
 
 
+@dataclass(frozen=True)
+class GroupConfig:
+    """How a unit shards: strategy, the mesh dimension that shards (None: ``no_shard``) and the
+    replicate group's communicator (HSDP, ``no_shard``; None for plain FSDP)."""
+
+    strategy: ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS
+    shard_dim: Optional[int] = 0
+    replicate_comm: Optional[Communicator] = None
+    fp8: Optional[torch.dtype] = None  # gather as this float8 dtype with per-parameter scales (mfsdp2.fp8)
+
+
+@dataclass
+class _PendingReduce:
+    handle: CommHandle
+    direct: bool  # the collective wrote straight into the main gradient
+    out: torch.Tensor  # the shard-group result (shard-size, or full-size for full-gradient strategies)
+    has_grad: tuple
+    key: object
+    all_reduce: bool  # HSDP: all-reduce ``out`` across replicas when the shard-group part is done
+    op: object  # the replicate all-reduce's op
+
+
 class ParameterGroup:
     def __init__(
         self,
@@ -62,8 +92,16 @@ class ParameterGroup:
         comm: Communicator,
         device: torch.device,
         mp: MixedPrecisionPolicy,
+        config: GroupConfig = GroupConfig(),
     ):
         self.unit_name = unit_name
+        self.config = config
+        self.strategy = config.strategy
+        self.replicate_comm = config.replicate_comm if config.replicate_comm is not None and config.replicate_comm.world_size > 1 else None
+        self.full_grads = not config.strategy.shards_grads
+        self.divide_factor: Optional[float] = None  # None: mean over every data-parallel rank
+        self.requires_all_reduce = True  # HSDP: False accumulates shard-group results (set_requires_all_reduce)
+        self.partial: Optional[torch.Tensor] = None  # those accumulated results, until the next all-reduce
         self.infos = infos
         self.mesh = mesh
         self.comm = comm
@@ -82,20 +120,37 @@ class ParameterGroup:
         self.layout = plan_layout([tuple(p.shape) for p in params], comm.world_size, align=max(16 // itemsize, 1))
 
         S = self.layout.shard_numel
-        self.main_weight = torch.zeros(S, dtype=self.main_dtype, device=device)
         same = self.main_dtype == self.compute_dtype
-        model_shard = self.main_weight if same else torch.zeros(S, dtype=self.compute_dtype, device=device)
-        self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, comm, shard=model_shard)
+        self.persistent = not config.strategy.shards_params
+        if self.persistent:
+            # Full model weights for the buffer's life; the main weights are its local slice
+            # when the dtypes match (one copy of this rank's rows, not two).
+            self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, comm, persistent=True)
+            self.main_weight = self.weights.shard if same else torch.zeros(S, dtype=self.main_dtype, device=device)
+        else:
+            self.main_weight = torch.zeros(S, dtype=self.main_dtype, device=device)
+            model_shard = self.main_weight if same else torch.zeros(S, dtype=self.compute_dtype, device=device)
+            self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, comm, shard=model_shard)
         self._needs_cast = not same
+        # Persistent weights: the ranks' agreed answer to "did any rank's optimizer step since the
+        # last gather" (set at the root's forward, see hooks._agree_on_gathers); None: ask locally.
+        self.agreed_stale: Optional[bool] = None
+        self.fp8 = None
+        if config.fp8:
+            self.fp8 = Float8Gather(self, config.fp8)
+
         self._cast_version = -1
         self.casts = 0  # main -> model casts done (tests check: once per optimizer step)
         self.gathered_version = -1
         self.kept: Optional[torch.Tensor] = None  # shards kept by a partial reshard (int reshard_after_forward)
         self.main_grad: Optional[torch.Tensor] = None  # from the first reduction to the release
+        self.main_grad_full: Optional[torch.Tensor] = None  # full-gradient strategies: main_grad is its slice
+        self.fused_full: Optional[torch.Tensor] = None  # TE wgrad fusion: param.main_grad views into it
+        self.fused_key = None  # its allocator key's suffix (the unit's reduction key)
         self._main_grad_alloc: Optional[BucketAllocator] = None
         self.dist_params: list[nn.Parameter] = []
         self.unsharded_params: list[nn.Parameter] = []
-        self._pending_reduce: Optional[tuple[CommHandle, torch.Tensor, tuple]] = None
+        self._pending_reduce: Optional[_PendingReduce] = None
         self.grads_reduced_this_step = False
         # Which parameters had a local gradient in this backward's reductions (see expose_grads).
         self.local_grad_flags = [False] * len(params)
@@ -110,6 +165,7 @@ class ParameterGroup:
                 src = p.detach().reshape(p.shape)
                 piece.copy_(src[lo.row_start : lo.row_end] if p.dim() else src)
         self._make_params(params)
+        self.te_fused = fuses_wgrad(self)
         self.weights.free_unsharded()
         self.refresh_model_shard(force=True)
 
@@ -118,14 +174,18 @@ class ParameterGroup:
         views = self.weights.param_views()
         for i, p in enumerate(params):
             local = self.weights.piece_view(self.main_weight, i)
-            rows = self.layout.rows_per_rank(i)
-            dp = nn.Parameter(row_sharded_dtensor(local, self.mesh, rows, p.shape), requires_grad=p.requires_grad)
+            dp = nn.Parameter(self.as_dtensor(local, i, p.shape), requires_grad=p.requires_grad)
             for k, v in p.__dict__.items():  # user tags (no-weight-decay flags, TP metadata, ...)
                 if not k.startswith("_mfsdp2"):
                     setattr(dp, k, v)
             self.dist_params.append(dp)
             up = nn.Parameter(views[i], requires_grad=p.requires_grad)
             self.unsharded_params.append(up)
+
+    def as_dtensor(self, local: torch.Tensor, index: int, shape) -> torch.Tensor:
+        """This rank's rows of parameter ``index`` as the optimizer-facing DTensor."""
+        rows = self.layout.rows_per_rank(index)
+        return data_parallel_dtensor(local, self.mesh, rows, shape, self.config.shard_dim)
 
     def register(self, unsharded: bool, check: bool = True) -> None:
         """Point every owner module's attribute at the unsharded (compute) or sharded (DTensor) params.
@@ -169,16 +229,25 @@ class ParameterGroup:
     def is_unsharded(self) -> bool:
         return self.weights.is_unsharded
 
-    def unshard(self, allocator: Optional[BucketAllocator] = None, key=None, label: str = "") -> CommHandle:
-        """Gather the model weights into a block from ``allocator`` (keyed ``key``)."""
+    def unshard(self, allocator: Optional[BucketAllocator] = None, key=None, label: str = "") -> Optional[CommHandle]:
+        """Gather the model weights into a block from ``allocator`` (keyed ``key``); None when
+        the weights are persistent and no rank stepped since the last gather (nothing to do)."""
+        if self.persistent and not self.stale:
+            return None
         self.refresh_model_shard()
         self.gathered_version = self.main_version()
+        self.agreed_stale = None
         with torch.no_grad():
+            if self.fp8 is not None:
+                return self.fp8.all_gather(allocator, key, label)
             return self.weights.all_gather(allocator, key, label)
 
     @property
     def stale(self) -> bool:
-        """True when the optimizer changed the main weights after the last gather."""
+        """True when the optimizer changed the main weights after the last gather (for persistent
+        weights: on any rank, as agreed at the root's forward, when that answer is there)."""
+        if self.agreed_stale is not None:
+            return self.agreed_stale
         return self.main_version() != self.gathered_version
 
     def reshard(self) -> None:
@@ -198,49 +267,103 @@ class ParameterGroup:
 
     # -- gradients ----------------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:
+        if self.fused_full is not None:
+            return True  # TE wrote (or will have written) wgrads into the fused buffer
         return any(p.grad is not None for p in self.unsharded_params)
 
+    def _reduce_ops(self) -> tuple[Optional[float], object, object]:
+        """``(prescale, first collective's op, replicate all-reduce's op)`` for the divide factor.
+
+        Mean over every data-parallel rank (default): AVG in each stage (a mean of equal-size
+        means is the mean; gloo's all-reduce emulates AVG). A custom factor ``D``: NCCL scales
+        inside the first collective (PREMUL_SUM); elsewhere the gradients are multiplied by
+        ``1/D`` while they are packed (in the reduce dtype, before any sum: no bf16 overflow),
+        then summed."""
+        avg, total = dist.ReduceOp.AVG, dist.ReduceOp.SUM
+        D = self.divide_factor
+        if D is None:
+            return None, avg, avg
+        premul = self.comm.premul_sum(1.0 / D) if self.comm.world_size > 1 else None
+        if premul is not None:
+            return None, premul, total
+        return (None if D == 1 else 1.0 / D), total, total
+
+    def _pack(self, full: torch.Tensor, prescale: Optional[float]) -> list[bool]:
+        """Copy the unsharded grads into ``full`` (zeros where a parameter has none, and in the
+        padding); TE-fused wgrads are already in place. Returns which parameters had one."""
+        layout = self.layout
+        fused = self.fused_full is not None
+        has_grad = []
+        end = 0
+        for i, up in enumerate(self.unsharded_params):
+            slot = layout.slots[i]
+            if slot.offset > end and not fused:
+                full[end : slot.offset].zero_()
+            view = full[slot.offset : slot.offset + slot.numel]
+            if fused and getattr(up, "grad_added_to_main_grad", False):
+                up.grad = None  # TE's placeholder wgrad: the real one is already in the buffer
+                up.grad_added_to_main_grad = False
+                has_grad.append(True)
+            elif up.grad is None:
+                if not fused:
+                    view.zero_()
+                has_grad.append(False)
+            else:
+                view.copy_(up.grad.reshape(-1))
+                up.grad = None
+                has_grad.append(True)
+            end = slot.offset + slot.numel
+        if end < layout.total_numel and not fused:
+            full[end:].zero_()
+        if prescale is not None:
+            full.mul_(prescale)
+        if fused:
+            detach_main_grads(self)
+        self.fused_full = None
+        return has_grad
+
     def reduce_grads(self, allocator: BucketAllocator, key, label: str = "") -> None:
-        """Pack the unsharded grads into a flat buffer and issue its reduce-scatter (async).
+        """Pack the unsharded grads into a flat buffer and issue its reduction (async).
 
         Parameters with no local gradient contribute zeros so every rank issues the same
         collective; call :meth:`finish_reduce` to accumulate the result into ``main_grad``.
-        """
+        Sharded-gradient strategies reduce-scatter over the shard group; full-gradient ones
+        all-reduce; HSDP then all-reduces across replicas in :meth:`finish_reduce`."""
         if not self.requires_grad:
             return
         self.finish_reduce(allocator)  # one reduction per group in flight
         layout = self.layout
-        full = allocator.allocate(("grad", key), layout.total_numel, self.reduce_dtype, self.device)
-        has_grad = []
+        prescale, op, replicate_op = self._reduce_ops()
+        all_reduce = self.replicate_comm is not None and self.requires_all_reduce
+        # Nothing accumulated is visible (every grad None: first reduction since zero_grad), the
+        # dtypes match and no HSDP partial sum waits: reduce straight into main_grad, no copy.
+        direct = (
+            self.reduce_dtype == self.grad_dtype
+            and all(dp.grad is None for dp in self.dist_params)
+            and (self.replicate_comm is None or (all_reduce and self.partial is None))
+        )
         with torch.no_grad():
-            end = 0
-            for i, up in enumerate(self.unsharded_params):
-                slot = layout.slots[i]
-                if slot.offset > end:
-                    full[end : slot.offset].zero_()
-                view = full[slot.offset : slot.offset + slot.numel]
-                if up.grad is None:
-                    view.zero_()
-                    has_grad.append(False)
-                else:
-                    view.copy_(up.grad.reshape(-1))
-                    up.grad = None
-                    has_grad.append(True)
-                end = slot.offset + slot.numel
-            if end < layout.total_numel:
-                full[end:].zero_()
-            # Nothing accumulated is visible (every grad None: first reduction since zero_grad)
-            # and the dtypes match: reduce straight into main_grad, no output buffer, no copy.
-            direct = self.reduce_dtype == self.grad_dtype and all(dp.grad is None for dp in self.dist_params)
-            if direct:
+            if self.fused_full is not None:
+                full, direct = self.fused_full, False  # TE wrote into it: ("grad", key)
+            elif self.full_grads and direct:
                 self._ensure_main_grad(allocator, zero=False)
-                out = self.main_grad
+                full = self.main_grad_full
             else:
-                out = allocator.allocate(("rs_out", key), layout.shard_numel, self.reduce_dtype, self.device)
-            n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, dist.ReduceOp.AVG)
-            scratch = allocator.allocate(("rs_recv", key), n_scratch, self.reduce_dtype, self.device) if n_scratch else None
-            handle = self.weights.reduce_scatter(full, out, dist.ReduceOp.AVG, scratch, label)
-        self._pending_reduce = (handle, direct, out, tuple(has_grad), key)
+                full = allocator.allocate(("grad", key), layout.total_numel, self.reduce_dtype, self.device)
+            has_grad = self._pack(full, prescale)
+            if self.full_grads:
+                out = full
+                handle = self.comm.all_reduce(full, op, label=label)
+            else:
+                if direct:
+                    self._ensure_main_grad(allocator, zero=False)
+                    out = self.main_grad
+                else:
+                    out = allocator.allocate(("rs_out", key), layout.shard_numel, self.reduce_dtype, self.device)
+                n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, op)
+                scratch = allocator.allocate(("rs_recv", key), n_scratch, self.reduce_dtype, self.device) if n_scratch else None
+                handle = self.weights.reduce_scatter(full, out, op, scratch, label)
+        self._pending_reduce = _PendingReduce(handle, direct, out, tuple(has_grad), key, all_reduce, replicate_op)
 
     # -- main grads ---------------------------------------------------------------------------
     def _main_grad_key(self) -> tuple:
@@ -253,9 +376,15 @@ class ParameterGroup:
         if self.main_grad is not None:
             return
         self._main_grad_alloc = allocator
-        self.main_grad = allocator.allocate(self._main_grad_key(), self.layout.shard_numel, self.grad_dtype, self.device)
+        n = self.layout.total_numel if self.full_grads else self.layout.shard_numel
+        block = allocator.allocate(self._main_grad_key(), n, self.grad_dtype, self.device)
         if zero:
-            self.main_grad.zero_()
+            block.zero_()
+        if self.full_grads:
+            self.main_grad_full = block
+            self.main_grad = self.weights.local_slice(block)
+        else:
+            self.main_grad = block
         for dp in self.dist_params:
             dp.grad = None
 
@@ -267,25 +396,38 @@ class ParameterGroup:
         if any(dp.grad is not None for dp in self.dist_params):
             return  # grads kept (zero_grad(set_to_none=False) or accumulation across steps)
         self.main_grad = None
+        self.main_grad_full = None
         self._main_grad_alloc.free(self._main_grad_key())
         self._main_grad_alloc = None
 
+    def _partial_key(self) -> tuple:
+        return ("partial", self.unit_name, self.name)
+
     @staticmethod
     def _free_reduce_buffers(allocator: BucketAllocator, key) -> None:
-        allocator.free(("grad", key))
+        if allocator.is_live(("grad", key)):
+            allocator.free(("grad", key))
         if allocator.is_live(("rs_recv", key)):
             allocator.free(("rs_recv", key))
 
+    def _free_out(self, allocator: BucketAllocator, p: _PendingReduce) -> None:
+        if not p.direct and not self.full_grads:
+            allocator.free(("rs_out", p.key))
+        if self.full_grads:
+            self._free_reduce_buffers(allocator, p.key)  # out was the ("grad", key) buffer
+
     def abort(self, allocator: BucketAllocator) -> None:
         """Drop this step's gradient work after an exception: wait for (never free under) an
-        in-flight reduce-scatter, discard it, and drop unsharded gradients."""
+        in-flight reduction, discard it, and drop unsharded gradients."""
         if self._pending_reduce is not None:
-            handle, direct, _, _, key = self._pending_reduce
+            p = self._pending_reduce
             self._pending_reduce = None
-            handle.wait()
-            self._free_reduce_buffers(allocator, key)
-            if not direct:
-                allocator.free(("rs_out", key))
+            p.handle.wait()
+            self._free_reduce_buffers(allocator, p.key)
+            self._free_out(allocator, p)
+        if self.fused_full is not None:
+            self.fused_full = None
+            self._free_reduce_buffers(allocator, self.fused_key)
         for up in self.unsharded_params:
             up.grad = None
 
@@ -294,32 +436,58 @@ class ParameterGroup:
         return self._pending_reduce is not None
 
     def finish_reduce(self, allocator: BucketAllocator) -> None:
-        """Wait for the in-flight reduce-scatter and accumulate it into ``main_grad``."""
+        """Wait for the in-flight reduction and accumulate it into ``main_grad`` (HSDP: after
+        the all-reduce across replicas, or into the partial sum when that is skipped)."""
         if self._pending_reduce is None:
             return
-        handle, direct, out, has_grad, key = self._pending_reduce
+        p = self._pending_reduce
         self._pending_reduce = None
-        handle.wait()
-        self._free_reduce_buffers(allocator, key)
+        p.handle.wait()
+        if not self.full_grads:
+            self._free_reduce_buffers(allocator, p.key)
+        out = p.out
         with torch.no_grad():
-            if not direct:
-                self._ensure_main_grad(allocator, zero=True)
-                overwrite = [dp.grad is None for dp in self.dist_params]
-                if all(overwrite):
-                    self.main_grad.copy_(out)
+            if self.replicate_comm is not None and not p.all_reduce:
+                # set_requires_all_reduce(False): keep the shard-group sum for the next all-reduce.
+                if self.partial is None:
+                    self.partial = allocator.allocate(self._partial_key(), out.numel(), out.dtype, self.device)
+                    self.partial.copy_(out)
                 else:
-                    # optimizer.zero_grad() (set_to_none) clears some grads: their pieces restart at 0.
-                    for i, dp in enumerate(self.dist_params):
-                        if overwrite[i]:
-                            self.weights.piece_view(self.main_grad, i).zero_()
-                        elif dp.grad._local_tensor.data_ptr() != self.weights.piece_view(self.main_grad, i).data_ptr():
-                            # The user assigned a grad of their own: fold it in before accumulating.
-                            self.weights.piece_view(self.main_grad, i).copy_(dp.grad._local_tensor)
-                    self.main_grad.add_(out)
-                allocator.free(("rs_out", key))
-        self.local_grad_flags = [a or b for a, b in zip(self.local_grad_flags, has_grad)]
-        self.expose_grads(has_grad)
+                    self.partial.add_(out)
+                self._free_out(allocator, p)
+                self.local_grad_flags = [a or b for a, b in zip(self.local_grad_flags, p.has_grad)]
+                return
+            if self.replicate_comm is not None:
+                if self.partial is not None:
+                    out.add_(self.partial)
+                    self.partial = None
+                    allocator.free(self._partial_key())
+                label = f"all-reduce across replicas of {self.name}"
+                self.replicate_comm.all_reduce(out, p.op, label=label).wait()
+            if not p.direct:
+                self._accumulate(allocator, out)
+            self._free_out(allocator, p)
+        self.local_grad_flags = [a or b for a, b in zip(self.local_grad_flags, p.has_grad)]
+        self.expose_grads(p.has_grad)
         self.grads_reduced_this_step = True
+
+    def _accumulate(self, allocator: BucketAllocator, out: torch.Tensor) -> None:
+        """main_grad += out, restarting at zero the parameters whose grad the user cleared."""
+        self._ensure_main_grad(allocator, zero=True)
+        dst = self.main_grad_full if self.full_grads else self.main_grad
+        view = self.weights.param_view if self.full_grads else self.weights.piece_view
+        overwrite = [dp.grad is None for dp in self.dist_params]
+        if all(overwrite):
+            dst.copy_(out)
+            return
+        # optimizer.zero_grad() (set_to_none) clears some grads: their pieces restart at 0.
+        for i, dp in enumerate(self.dist_params):
+            if overwrite[i]:
+                view(dst, i).zero_()
+            elif dp.grad._local_tensor.data_ptr() != self.weights.piece_view(self.main_grad, i).data_ptr():
+                # The user assigned a grad of their own: fold it in before accumulating.
+                self.weights.piece_view(self.main_grad, i).copy_(dp.grad._local_tensor)
+        dst.add_(out)
 
     def expose_grads(self, flags) -> None:
         """Give ``dp.grad`` (a view of main_grad) to every parameter flagged and holding rows here.
@@ -329,7 +497,9 @@ class ParameterGroup:
         (an MoE expert that got no tokens here) has a nonzero reduced gradient on every rank's rows,
         so every rank must step it, while a parameter no rank used keeps ``grad = None`` (the
         optimizer skips it, as it would unsharded)."""
+        if self.main_grad is None:
+            return
         for i, dp in enumerate(self.dist_params):
             if flags[i] and dp.grad is None and self.layout.piece(i, self.rank).numel > 0:
                 local = self.weights.piece_view(self.main_grad, i)
-                dp.grad = row_sharded_dtensor(local, self.mesh, self.layout.rows_per_rank(i), dp.shape)
+                dp.grad = self.as_dtensor(local, i, dp.shape)

@@ -38,14 +38,14 @@ collectives rather than ``full_tensor()`` for this reason.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.device_mesh import DeviceMesh
 
-__all__ = ["RowShard", "row_sharded_dtensor"]
+__all__ = ["RowShard", "row_sharded_dtensor", "data_parallel_dtensor"]
 
 
 class RowShard(Shard):
@@ -114,3 +114,21 @@ def row_sharded_dtensor(
     return DTensor.from_local(
         local, mesh, [RowShard(0, rows)], run_check=False, shape=shape, stride=stride
     )
+
+
+def data_parallel_dtensor(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    rows: Sequence[int],
+    global_shape: Sequence[int],
+    shard_dim: Optional[int],
+) -> DTensor:
+    """``local`` as a DTensor on a data-parallel mesh: ``RowShard(0, rows)`` on mesh dimension
+    ``shard_dim`` and ``Replicate()`` on the others (HSDP's replicate dimension; every dimension
+    for ``no_shard``, whose ``local`` is the whole parameter)."""
+    shape = torch.Size(global_shape)
+    stride = torch.empty(shape, device="meta").stride()
+    placements = [Replicate()] * mesh.ndim
+    if shard_dim is not None:
+        placements[shard_dim] = RowShard(0, rows)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)

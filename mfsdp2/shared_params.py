@@ -96,7 +96,7 @@ def _rebuild_without(state: "FSDPState", g: "ParameterGroup", idx: int) -> None:
             if not k.startswith("_mfsdp2"):
                 setattr(p, k, v)
         params.append(p)
-    new = ParameterGroup(g.unit_name, [g.infos[j] for j in keep], params, g.mesh, g.comm, g.device, state.mp)
+    new = ParameterGroup(g.unit_name, [g.infos[j] for j in keep], params, g.mesh, g.comm, g.device, state.mp, g.config)
     for j, dp in zip(keep, new.dist_params):
         dp._mfsdp2_original = getattr(g.dist_params[j], "_mfsdp2_original", None)
         orig = _original(dp)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mfsdp2 import CollectiveError
+from mfsdp2 import CollectiveError, MixedPrecisionPolicy
 
 from ._dist import run_ranks
 from .models import Net, batch, build, loss_fn
@@ -29,7 +29,7 @@ EXPECTED = {
     "E02": (ValueError, "is already a DTensor"),
     "E03": (ValueError, "0-dimensional"),
     "E04": (RuntimeError, "call mfsdp2.materialize(model)"),
-    "E05": (ValueError, "2-D mesh was given"),
+    "E05": (ValueError, "got a 3-D mesh"),
     "E06": (ValueError, "not part of the given mesh"),
     "E07": (ValueError, "must be True, False or a divisor"),
     "E08": (ValueError, "unknown allocator"),
@@ -58,6 +58,12 @@ EXPECTED = {
     "E31": (RuntimeError, "but no reset_parameters()"),
     "E32": (ValueError, "belongs to the lowest common ancestor"),
     "E33": (CollectiveError, "about to issue different collectives"),
+    "E34": (ValueError, "unknown sharding_strategy 'zero3'"),
+    "E35": (ValueError, "replicates over every rank"),
+    "E36": (ValueError, "applies to sharding_strategy='optim_grads_params' only"),
+    "E37": (ValueError, "needs sharding_strategy='optim_grads_params'"),
+    "E38": (ValueError, "must be None or a float8 dtype"),
+    "E39": (ValueError, "gradient divide factor must be > 0"),
 }
 
 
@@ -129,7 +135,15 @@ def _rows_ws1(rank, ws):
     fully_shard(tied[0], mesh=mesh)  # two sibling units would share it: refused at the second
     _capture(out, "E32", lambda: fully_shard(tied[1], mesh=mesh))
 
-    _capture(out, "E05", lambda: fully_shard(nn.Linear(3, 3), mesh=init_device_mesh("cpu", (1, 1))))
+    _capture(out, "E05", lambda: fully_shard(nn.Linear(3, 3), mesh=init_device_mesh("cpu", (1, 1, 1))))
+    _capture(out, "E34", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, sharding_strategy="zero3"))
+    _capture(out, "E35", lambda: fully_shard(nn.Linear(3, 3), mesh=init_device_mesh("cpu", (1, 1)), sharding_strategy="no_shard"))
+    _capture(out, "E36", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, reshard_after_forward=2, sharding_strategy="optim"))
+    fp8 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather_dtype=torch.float8_e4m3fn)
+    _capture(out, "E37", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, mp_policy=fp8, sharding_strategy="optim_grads"))
+    _capture(out, "E38", lambda: MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather_dtype=torch.bfloat16))
+    divided = fully_shard(nn.Linear(3, 3), mesh=mesh)
+    _capture(out, "E39", lambda: divided.set_gradient_divide_factor(0))
     _capture(out, "E07", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, reshard_after_forward=3))
     _capture(out, "E08", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, allocator="pool"))
 

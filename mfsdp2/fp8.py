@@ -1,0 +1,120 @@
+"""FP8 all-gather: weights travel as float8 (e4m3) bytes with one scale per parameter.
+
+Why: the all-gather of the weights is most of FSDP's traffic. Quantising each parameter's main
+(fp32) shard to float8 once per optimizer step halves those bytes against bf16; the module still
+computes in ``param_dtype`` (the gathered bytes are dequantised into the unsharded buffer).
+
+Scales must be identical on every rank -- a parameter's rows are spread over ranks, and rows
+quantised with different scales cannot be dequantised with one. So each rank computes the amax of
+its rows of every FP8 parameter, and the ranks take the maximum with **one all-reduce per step for
+all units together** (:func:`agree_scales`, called from the root's forward together with the
+persistent-weight staleness flags). ``scale = finfo.max / amax``; a parameter that is all zeros
+gets scale 1.
+
+Only parameters with two or more dimensions (matmul weights) are gathered in FP8: norms and
+biases are small and sensitive, so ``fully_shard`` puts them in ordinary groups.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from .buffer import DataParallelBuffer
+from .comm import CommHandle
+
+if TYPE_CHECKING:
+    from .param_group import ParameterGroup
+
+__all__ = ["Float8Gather", "FP8_DTYPES"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class Float8Gather:
+    """The float8 side of one :class:`~mfsdp2.param_group.ParameterGroup`: a uint8 buffer on
+    the group's layout (its shard is the quantised main shard), the agreed scales, and the
+    gather that dequantises into the group's compute-dtype unsharded buffer."""
+
+    def __init__(self, group: "ParameterGroup", dtype: torch.dtype):
+        self.group = group
+        self.dtype = dtype
+        self.max = torch.finfo(dtype).max
+        n = len(group.layout.slots)
+        self.bytes = DataParallelBuffer(group.layout, torch.uint8, group.device, group.comm)
+        self.bytes.free_unsharded()
+        self.scales = torch.ones(n, dtype=torch.float32, device=group.device)
+        self._amax_version = -1
+        self._local_amax = torch.zeros(n, dtype=torch.float32, device=group.device)
+        self._quantised: Optional[tuple] = None  # (main version, scales) the shard was made with
+        self.quantisations = 0  # tests: once per optimizer step
+
+    def local_amax(self) -> torch.Tensor:
+        """Max |w| over this rank's rows of each parameter (0 for an empty piece); cached per
+        main-weight version, so an unchanged model costs nothing."""
+        g = self.group
+        v = g.main_version()
+        if v != self._amax_version:
+            with torch.no_grad():
+                for i in range(len(g.layout.slots)):
+                    piece = g.weights.piece_view(g.main_weight, i)
+                    self._local_amax[i] = piece.abs().max() if piece.numel() else 0.0
+            self._amax_version = v
+        return self._local_amax
+
+    def set_global_amax(self, amax: torch.Tensor) -> None:
+        scales = torch.where(amax > 0, self.max / amax.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
+        self.scales.copy_(scales)
+
+    def _quantise(self) -> None:
+        g = self.group
+        key = (g.main_version(), tuple(self.scales.tolist()))
+        if self._quantised == key:
+            return
+        q = self.bytes.shard.view(self.dtype)
+        with torch.no_grad():
+            q.zero_()  # padding
+            for i in range(len(g.layout.slots)):
+                src = g.weights.piece_view(g.main_weight, i)
+                if src.numel():
+                    dst = g.weights.piece_view(q, i)
+                    dst.copy_((src.float() * self.scales[i]).clamp_(-self.max, self.max))
+        self._quantised = key
+        self.quantisations += 1
+
+    def all_gather(self, allocator, key, label: str) -> CommHandle:
+        """Gather the float8 bytes, then (at ``wait()``) dequantise them into the unsharded
+        compute-dtype buffer, which is where the module's parameters live."""
+        g = self.group
+        if self._amax_version < 0:
+            # First gather, before any root forward agreed on scales (an explicit unshard()):
+            # agree now, inside this group. Every rank is here for the same reason.
+            amax = self.local_amax().clone()
+            g.comm.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, label=f"fp8 amax of {g.name}").wait()
+            self.set_global_amax(amax)
+        self._quantise()
+        bkey = ("fp8", key)
+        h = self.bytes.all_gather(allocator, bkey, label)
+
+        def dequantise() -> None:
+            h.wait()
+            w = g.weights
+            w.materialize(allocator, key)
+            q = self.bytes._writer.view(self.dtype)
+            with torch.no_grad():
+                for i, slot in enumerate(g.layout.slots):
+                    src = q[slot.offset : slot.offset + slot.numel]
+                    w._writer[slot.offset : slot.offset + slot.numel].copy_(src.to(torch.float32).div_(self.scales[i]))
+            self.bytes.free_unsharded()
+
+        return CommHandle(then=dequantise, label=label)
+
+
+def agree_scales(groups: list["ParameterGroup"], amax: torch.Tensor, offset: int) -> int:
+    """Hand each FP8 group its slice of the all-reduced amax vector; returns the next offset."""
+    for g in groups:
+        n = len(g.layout.slots)
+        g.fp8.set_global_amax(amax[offset : offset + n])
+        offset += n
+    return offset
