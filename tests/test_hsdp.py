@@ -1,0 +1,100 @@
+"""HSDP on a (replicate=2, shard=2) mesh of 4 CPU ranks: parity with the unsharded reference for
+ZeRO-3 and ZeRO-2, and gradient accumulation that all-reduces across replicas once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate
+
+from mfsdp2 import RowShard, fully_shard
+
+from ._dist import run_ranks
+from .models import batch, build, loss_fn, make_opt, reference_run, sharded_train_step
+
+STEPS = 6
+GLOBAL_BATCH = 8
+
+
+def _wrap(model, mesh, strategy):
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, sharding_strategy=strategy)
+    fully_shard(model, mesh=mesh, sharding_strategy=strategy)
+    return model
+
+
+def _hsdp(rank, ws):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for strategy in ("optim_grads_params", "optim_grads"):
+        model = _wrap(build("net"), mesh, strategy)
+        p = model.blocks[0].fc1.weight
+        assert isinstance(p.placements[0], Replicate) and isinstance(p.placements[1], RowShard), p.placements
+        opt = make_opt("adamw", model.parameters())
+        losses = [sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH) for step in range(STEPS)]
+        out[strategy] = (losses, {k: q.full_tensor() for k, q in model.named_parameters()})
+
+    # Accumulation over two micro-batches: the first skips the all-reduce across replicas.
+    model = _wrap(build("net"), mesh, "optim_grads_params")
+    replicate_group = mesh.get_group(0)
+    calls = []
+    orig = dist.all_reduce
+
+    def spy(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if group is replicate_group and t.dtype == torch.float32:
+            calls.append(t.numel())
+        return orig(t, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = spy
+    n = GLOBAL_BATCH // ws
+    try:
+        for micro in range(2):
+            model.set_requires_all_reduce(micro == 1)
+            x, y = batch(micro, GLOBAL_BATCH, 12)
+            loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
+            if micro == 0:
+                assert not calls, "the all-reduce across replicas ran although it was switched off"
+                assert all(q.grad is None for q in model.parameters()), "grads exposed before the all-reduce"
+    finally:
+        dist.all_reduce = orig
+    n_groups = sum(len(m._mfsdp2_state.groups) for m in model.modules() if hasattr(m, "_mfsdp2_state"))
+    grads = {}
+    for k, q in model.named_parameters():  # this rank's rows (a rank holding none has grad None)
+        start = q.placements[1].starts[mesh.get_local_rank(1)]
+        assert (q.grad is None) == (q.to_local().numel() == 0), k
+        grads[k] = (start, q.grad.to_local().clone() if q.grad is not None else q.to_local().detach().clone())
+    return out, grads, len(calls), n_groups
+
+
+def _reference_accumulated_grads():
+    torch.set_num_threads(1)
+    model = build("net")
+    for micro in range(2):
+        x, y = batch(micro, GLOBAL_BATCH, 12)
+        loss_fn(model(x), y).backward()
+    return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def _close(a, b, name, rel=1e-5):
+    scale = max(b.abs().max().item(), 1e-3)
+    err = (a - b).abs().max().item()
+    assert err <= rel * scale, f"{name}: max err {err:.3e} > {rel:.0e} * {scale:.3e}"
+
+
+@pytest.mark.slow
+def test_hsdp_2x2_matches_reference_and_accumulates_with_one_all_reduce():
+    ref_losses, ref_params = reference_run("net", "adamw", STEPS, GLOBAL_BATCH)
+    ref_grads = _reference_accumulated_grads()
+    for rank, (per_strategy, grads, n_all_reduce, n_groups) in enumerate(run_ranks(_hsdp, 4)):
+        for strategy, (losses, full) in per_strategy.items():
+            for step, (a, b) in enumerate(zip(losses, ref_losses)):
+                assert abs(a - b) <= 1e-5 * abs(b), f"{strategy} rank {rank} step {step}: {a} vs {b}"
+            for name, ref in ref_params.items():
+                _close(full[name], ref, f"{strategy} rank {rank} {name}")
+        assert n_all_reduce == n_groups, (n_all_reduce, n_groups)  # once per group, at the last micro-batch
+        for name, ref in ref_grads.items():
+            start, g = grads[name]
+            if g.numel():
+                _close(g, ref[start : start + g.shape[0]], f"accumulated grad {name} rank {rank}")
