@@ -113,7 +113,8 @@ class ParameterGroup:
         self.main_dtype = mp.main_dtype(self.orig_dtype, self.requires_grad)
         self.grad_dtype = mp.grad_dtype(self.orig_dtype)
         self.reduce_dtype = mp.wire_reduce_dtype(self.compute_dtype)
-        self.name = f"{unit_name}[{str(self.orig_dtype).replace('torch.', '')}{'' if self.requires_grad else ',frozen'}]"
+        tags = ("" if self.requires_grad else ",frozen") + (",fp8" if config.fp8 else "")
+        self.name = f"{unit_name}[{str(self.orig_dtype).replace('torch.', '')}{tags}]"
 
         itemsize = min(torch.finfo(d).bits if d.is_floating_point else torch.iinfo(d).bits
                        for d in (self.compute_dtype, self.main_dtype)) // 8
