@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from mfsdp2 import MixedPrecisionPolicy, fully_shard
 
 from ._dist import run_ranks
-from .models import batch, build, loss_fn, make_opt, reference_run, sharded_train_step
+from .models import batch, build, local_grad_rows, loss_fn, make_opt, reference_run, sharded_train_step
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 STEPS = 6
@@ -261,22 +261,8 @@ def _divide_run(rank, ws, mesh_shape, strategy):
         model = _wrap(build("net"), mesh, strategy)
         model.set_gradient_divide_factor(factor)
         loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
-        out[factor] = {k: _local_rows(p) for k, p in model.named_parameters()}
+        out[factor] = {k: local_grad_rows(p) for k, p in model.named_parameters()}
     return out
-
-
-def _local_rows(p):
-    """(first global row, this rank's rows of p.grad): ranks holding no rows have grad None."""
-    from mfsdp2 import RowShard
-
-    start = 0
-    for dim, pl in enumerate(p.placements):
-        if isinstance(pl, RowShard):
-            start = pl.starts[p.device_mesh.get_local_rank(dim)]
-    if p.grad is None:
-        assert p.to_local().numel() == 0, "a rank holding rows must get a gradient"
-        return start, p.to_local().detach().clone()
-    return start, p.grad.to_local().clone()
 
 
 @pytest.mark.parametrize(
