@@ -26,6 +26,7 @@ from .param_group import GroupConfig, ParameterGroup, ParamInfo
 from .shared_params import adopt_shared, mark_owned
 from .state import FSDPState
 from .strategy import ShardingStrategy, Topology
+from .tensor_parallel import TPSpec, tp_spec_of
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
 
@@ -202,23 +203,22 @@ def _communicator(mesh: DeviceMesh, dim: Optional[int]) -> Communicator:
     return _communicators[key]
 
 
-def _collect(module: nn.Module, device: torch.device) -> tuple[list[list[ParamInfo]], list[nn.Parameter]]:
-    """This unit's own parameters (skipping nested units), deduplicated, in registration order."""
+def _collect(
+    module: nn.Module, device: torch.device, mesh: DeviceMesh
+) -> tuple[list[list[ParamInfo]], list[nn.Parameter], dict[int, TPSpec]]:
+    """This unit's own parameters (skipping nested units), deduplicated, in registration order,
+    and the tensor-parallel spec of those that are TP DTensors (keyed by id)."""
     infos: dict[int, list[ParamInfo]] = {}
     params: dict[int, nn.Parameter] = {}
+    specs: dict[int, TPSpec] = {}
 
     def visit(m: nn.Module, prefix: str) -> None:
         for attr, p in m._parameters.items():
             if p is None:
                 continue
             fqn = prefix + attr
-            if isinstance(p, DTensor):
-                raise ValueError(
-                    f"mfsdp2: parameter {fqn!r} of {type(module).__name__} is already a DTensor "
-                    f"({p.placements}); either fully_shard was applied to a parent before this module "
-                    "(wrap children first, root last) or the parameter is tensor-parallel, which is "
-                    "not supported yet"
-                )
+            if isinstance(p, DTensor) and id(p) not in specs:
+                specs[id(p)] = tp_spec_of(p, mesh, fqn, type(module).__name__)
             if p.device.type == "meta":  # sharded now, values later: mfsdp2.materialize(model)
                 pass
             elif p.device != device and not (p.device.type == device.type == "cpu"):
@@ -235,7 +235,16 @@ def _collect(module: nn.Module, device: torch.device) -> tuple[list[list[ParamIn
 
     visit(module, "")
     keys = list(params)
-    return [infos[k] for k in keys], [params[k] for k in keys]
+    return [infos[k] for k in keys], [params[k] for k in keys], specs
+
+
+def _tp_local(p: nn.Parameter) -> nn.Parameter:
+    """A TP DTensor parameter's local tensor as the parameter the data-parallel layer shards."""
+    local = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+    for k, v in p.__dict__.items():
+        if not k.startswith("_"):
+            setattr(local, k, v)
+    return local
 
 
 def fully_shard(
@@ -302,8 +311,13 @@ def fully_shard(
         else:
             post_forward_comm = comm.subgroup(k)  # collective: all ranks create the groups together
     name = type(module).__name__  # renamed to its path under the root at the first forward
-    infos, params = _collect(module, comm.device)
+    infos, params, specs = _collect(module, comm.device, mesh)
     adopt_shared(module, infos, params)  # tied to a parameter a wrapped child sharded: take it over
+    if specs and topology.shard_dim is None:
+        raise ValueError(
+            f"mfsdp2: {where} has tensor-parallel parameters; sharding_strategy='no_shard' cannot "
+            "combine with TP here: use a sharding strategy (e.g. 'optim_grads_params')"
+        )
 
     metas = {p.is_meta for p in params}
     if len(metas) > 1:
@@ -322,8 +336,11 @@ def fully_shard(
         by_key.setdefault((p.dtype, p.requires_grad, fp8), []).append(i)
     groups = [
         ParameterGroup(
-            name, [infos[i] for i in idx], [params[i] for i in idx], mesh, comm, comm.device, mp_policy,
+            name, [infos[i] for i in idx],
+            [_tp_local(params[i]) if id(params[i]) in specs else params[i] for i in idx],
+            mesh, comm, comm.device, mp_policy,
             GroupConfig(strategy, topology.shard_dim, replicate, key[2]),
+            tp_specs=[specs.get(id(params[i])) for i in idx],
         )
         for key, idx in by_key.items()
     ]

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from .allocator import BucketAllocator
 from .buffer import DataParallelBuffer
@@ -42,9 +43,10 @@ from .comm import CommHandle, Communicator
 from .fp8 import Float8Gather
 from .layout import plan_layout
 from .mixed_precision import MixedPrecisionPolicy
-from .placement import data_parallel_dtensor
+from .placement import RowShard, data_parallel_dtensor
 from .strategy import ShardingStrategy
 from .te import detach_main_grads, fuses_wgrad  # TE's attribute protocol; TE itself is never imported
+from .tensor_parallel import TPSpec, local_grad, tp_dp_mesh, tp_dtensor
 
 __all__ = ["ParamInfo", "GroupConfig", "ParameterGroup"]
 
@@ -93,8 +95,11 @@ class ParameterGroup:
         device: torch.device,
         mp: MixedPrecisionPolicy,
         config: GroupConfig = GroupConfig(),
+        tp_specs: Optional[list[Optional[TPSpec]]] = None,
     ):
         self.unit_name = unit_name
+        # Per parameter: its tensor-parallel spec (``params`` then holds the TP-local tensors).
+        self.tp_specs = list(tp_specs) if tp_specs is not None else [None] * len(params)
         self.config = config
         self.strategy = config.strategy
         self.replicate_comm = config.replicate_comm if config.replicate_comm is not None and config.replicate_comm.world_size > 1 else None
@@ -175,18 +180,27 @@ class ParameterGroup:
         views = self.weights.param_views()
         for i, p in enumerate(params):
             local = self.weights.piece_view(self.main_weight, i)
-            dp = nn.Parameter(self.as_dtensor(local, i, p.shape), requires_grad=p.requires_grad)
+            spec = self.tp_specs[i]
+            shape = spec.shape if spec is not None else p.shape  # global, from the DTensor
+            dp = nn.Parameter(self.as_dtensor(local, i, shape), requires_grad=p.requires_grad)
             for k, v in p.__dict__.items():  # user tags (no-weight-decay flags, TP metadata, ...)
                 if not k.startswith("_mfsdp2"):
                     setattr(dp, k, v)
             self.dist_params.append(dp)
-            up = nn.Parameter(views[i], requires_grad=p.requires_grad)
+            unsharded = tp_dtensor(views[i], spec) if spec is not None else views[i]
+            up = nn.Parameter(unsharded, requires_grad=p.requires_grad)
             self.unsharded_params.append(up)
 
     def as_dtensor(self, local: torch.Tensor, index: int, shape) -> torch.Tensor:
-        """This rank's rows of parameter ``index`` as the optimizer-facing DTensor."""
+        """This rank's rows of parameter ``index`` as the optimizer-facing DTensor (``shape``:
+        global; a TP parameter's lives on the (tp, dp) mesh, see :mod:`mfsdp2.tensor_parallel`)."""
         rows = self.layout.rows_per_rank(index)
-        return data_parallel_dtensor(local, self.mesh, rows, shape, self.config.shard_dim)
+        spec = self.tp_specs[index]
+        if spec is None:
+            return data_parallel_dtensor(local, self.mesh, rows, shape, self.config.shard_dim)
+        mesh = tp_dp_mesh(spec.mesh, self.mesh)
+        placements = spec.placements + (RowShard(0, rows),)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=spec.shape, stride=spec.stride())
 
     def register(self, unsharded: bool, check: bool = True) -> None:
         """Point every owner module's attribute at the unsharded (compute) or sharded (DTensor) params.
@@ -310,7 +324,7 @@ class ParameterGroup:
                     view.zero_()
                 has_grad.append(False)
             else:
-                view.copy_(up.grad.reshape(-1))
+                view.copy_(local_grad(up.grad, self.tp_specs[i]).reshape(-1))
                 up.grad = None
                 has_grad.append(True)
             end = slot.offset + slot.numel

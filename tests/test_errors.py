@@ -64,6 +64,8 @@ EXPECTED = {
     "E37": (ValueError, "needs sharding_strategy='optim_grads_params'"),
     "E38": (ValueError, "must be None or a float8 dtype"),
     "E39": (ValueError, "gradient divide factor must be > 0"),
+    "E40": (ValueError, "not the other dimension of the data-parallel mesh's 2-D parent"),
+    "E41": (ValueError, "cannot combine with TP here"),
 }
 
 
@@ -142,6 +144,15 @@ def _rows_ws1(rank, ws):
     fp8 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather_dtype=torch.float8_e4m3fn)
     _capture(out, "E37", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, mp_policy=fp8, sharding_strategy="optim_grads"))
     _capture(out, "E38", lambda: MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather_dtype=torch.bfloat16))
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    stray = nn.Linear(3, 3)
+    stray.weight = nn.Parameter(distribute_tensor(stray.weight.detach(), init_device_mesh("cpu", (1,), mesh_dim_names=("x",))))
+    _capture(out, "E40", lambda: fully_shard(stray, mesh=mesh))
+    mesh2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    tp = parallelize_module(nn.Linear(3, 3), mesh2["tp"], ColwiseParallel())
+    _capture(out, "E41", lambda: fully_shard(tp, mesh=mesh2["dp"], sharding_strategy="no_shard"))
     divided = fully_shard(nn.Linear(3, 3), mesh=mesh)
     _capture(out, "E39", lambda: divided.set_gradient_divide_factor(0))
     _capture(out, "E07", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, reshard_after_forward=3))

@@ -19,6 +19,11 @@ version counter and the next unshard re-casts main -> model once, like after an 
 checkpoint is never routed through the compute-dtype copy, which would round fp32 main weights to
 bf16 (the precision regression the Megatron review warned about).
 
+Parameters on other layouts -- ``no_shard`` (``Replicate``), HSDP (``(Replicate, RowShard)``) and
+FSDP x TP (``(tp placement, RowShard)`` on a (tp, dp) mesh) -- take one generic path: saving rebuilds
+the entry with the parameter's own mesh and placements, loading slices a full tensor at the offsets
+``compute_local_shape_and_global_offset`` derives from those placements and the *global* shape.
+
 A plain ``Shard(0)`` label is ambiguous for our uneven layouts: torch puts it on genuine
 ``torch.chunk`` shards (``distribute_tensor``, FSDP2) and also on results derived from our
 parameters by out-of-place ops, whose locals hold *our* rows. When the two layouts differ, one
@@ -33,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..placement import RowShard
 from ._common import check_loadable, full_of, global_rows, mark_write_nothing, relabel_rows, row_range
@@ -73,8 +79,38 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, loca
             continue
         if isinstance(state_dict[key], nn.Parameter):  # keep_vars=True: the parameter object itself
             state_dict[key] = dp
+        elif _generic(dp):
+            local = dp._local_tensor.detach()
+            out = DTensor.from_local(local, dp.device_mesh, dp.placements, run_check=False, shape=dp.shape, stride=dp.stride())
+            if local.numel() == 0 and dp.numel() > 0:
+                mark_write_nothing(out)
+            state_dict[key] = out
         else:
             state_dict[key] = relabel_rows(dp._local_tensor.detach(), dp, rows)
+
+
+def _generic(dp: DTensor) -> bool:
+    """Not a 1-D ``RowShard`` parameter (no_shard, HSDP, FSDP x TP)."""
+    return dp.device_mesh.ndim != 1 or not isinstance(dp.placements[0], RowShard)
+
+
+def _write_generic(key: str, dp: DTensor, src, state_dict: dict) -> None:
+    """Load ``src`` into ``dp``'s local piece using only its placements and global shape."""
+    if src is dp or not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(dp.shape):
+        return  # the default loader reports type / size mismatches
+    if isinstance(src, DTensor):
+        if src.device_mesh == dp.device_mesh and tuple(src.placements) == tuple(dp.placements):
+            if src.to_local().data_ptr() != dp._local_tensor.data_ptr():
+                dp._local_tensor.copy_(src.to_local())
+            state_dict[key] = dp
+            return
+        src = src.full_tensor()  # same decision on every rank: placements are global metadata
+    shape, offset = compute_local_shape_and_global_offset(dp.shape, dp.device_mesh, dp.placements)
+    piece = src
+    for d, (o, n) in enumerate(zip(offset, shape)):
+        piece = piece.narrow(d, o, n)
+    dp._local_tensor.copy_(piece)
+    state_dict[key] = dp
 
 
 def _same_memory(src: DTensor, dp: DTensor) -> bool:
@@ -101,6 +137,9 @@ def _write_main_weights(entries, state_dict) -> None:
     plans = []  # (key, dp, rows, src, how) with how in {"skip", "local", "slice", "full", "ask"}
     for key, dp, rows in entries:
         src = state_dict[key]
+        if _generic(dp):
+            _write_generic(key, dp, src, state_dict)
+            continue
         if src is dp:
             how = "skip"
         elif not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(dp.shape):
