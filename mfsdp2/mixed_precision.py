@@ -26,6 +26,9 @@ class MixedPrecisionPolicy:
 
     ``main_params_dtype`` / ``main_grads_dtype`` default to fp32 for floating-point parameters
     that require grad (frozen parameters keep their own dtype: no optimizer reads them).
+    ``main_params_dtype=None`` keeps each parameter's own dtype for its optimizer copy, and the
+    main gradient follows it: torch optimizers need a gradient in its parameter's dtype, so the two
+    main dtypes can only differ by being left to follow each other.
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -41,6 +44,16 @@ class MixedPrecisionPolicy:
             d = getattr(self, name)
             if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
                 raise ValueError(f"mfsdp2: MixedPrecisionPolicy.{name} must be a floating-point torch.dtype or None, got {d!r}")
+        if (
+            self.main_params_dtype is not None
+            and self.main_grads_dtype is not None
+            and self.main_params_dtype != self.main_grads_dtype
+        ):
+            raise ValueError(
+                f"mfsdp2: main_grads_dtype={self.main_grads_dtype} differs from main_params_dtype="
+                f"{self.main_params_dtype}; torch optimizers need each gradient in its parameter's dtype "
+                "(reduce in another dtype with reduce_dtype)"
+            )
         fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
         if self.all_gather_dtype is not None and self.all_gather_dtype not in fp8:
             raise ValueError(
@@ -58,8 +71,11 @@ class MixedPrecisionPolicy:
             return self.main_params_dtype
         return orig
 
-    def grad_dtype(self, orig: torch.dtype) -> torch.dtype:
-        return self.main_grads_dtype if self.main_grads_dtype is not None else orig
+    def grad_dtype(self, orig: torch.dtype, requires_grad: bool = True) -> torch.dtype:
+        """The main gradient's dtype: the main weights' (see the class docstring)."""
+        if self.main_params_dtype is None:
+            return self.main_dtype(orig, requires_grad)
+        return self.main_grads_dtype if self.main_grads_dtype is not None else self.main_dtype(orig, requires_grad)
 
     def wire_reduce_dtype(self, compute: torch.dtype) -> torch.dtype:
         return self.reduce_dtype if self.reduce_dtype is not None else compute

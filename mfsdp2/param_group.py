@@ -116,7 +116,7 @@ class ParameterGroup:
         self.requires_grad = params[0].requires_grad
         self.compute_dtype = mp.compute_dtype(self.orig_dtype)
         self.main_dtype = mp.main_dtype(self.orig_dtype, self.requires_grad)
-        self.grad_dtype = mp.grad_dtype(self.orig_dtype)
+        self.grad_dtype = mp.grad_dtype(self.orig_dtype, self.requires_grad)
         self.reduce_dtype = mp.wire_reduce_dtype(self.compute_dtype)
         tags = ("" if self.requires_grad else ",frozen") + (",fp8" if config.fp8 else "")
         self.name = f"{unit_name}[{str(self.orig_dtype).replace('torch.', '')}{tags}]"

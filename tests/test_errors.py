@@ -66,6 +66,7 @@ EXPECTED = {
     "E39": (ValueError, "gradient divide factor must be > 0"),
     "E40": (ValueError, "not the other dimension of the data-parallel mesh's 2-D parent"),
     "E41": (ValueError, "cannot combine with TP here"),
+    "E42": (ValueError, "torch optimizers need each gradient in its parameter's dtype"),
 }
 
 
@@ -153,6 +154,7 @@ def _rows_ws1(rank, ws):
     mesh2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
     tp = parallelize_module(nn.Linear(3, 3), mesh2["tp"], ColwiseParallel())
     _capture(out, "E41", lambda: fully_shard(tp, mesh=mesh2["dp"], sharding_strategy="no_shard"))
+    _capture(out, "E42", lambda: MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16))
     divided = fully_shard(nn.Linear(3, 3), mesh=mesh)
     _capture(out, "E39", lambda: divided.set_gradient_divide_factor(0))
     _capture(out, "E07", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, reshard_after_forward=3))
