@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import compat
+
 __all__ = [
     "CommStats",
     "comm_stats",
@@ -229,7 +231,7 @@ class Communicator:
         _labels[h] = label
         mine = torch.tensor([h, numel], dtype=torch.int64, device=self.device)
         every = torch.empty(self.world_size * 2, dtype=torch.int64, device=self.device)
-        work = dist.all_gather_single(every, mine, group=self.group, async_op=True)
+        work = compat.all_gather_single(every, mine, group=self.group, async_op=True)
         _wait_work(work, f"collective check before the {label}")
         rows = every.view(self.world_size, 2).tolist()
         if any(r != rows[self.rank] for r in rows):
@@ -256,7 +258,7 @@ class Communicator:
         self.verify(label, out.numel())
         return self._launch(
             self.ag_stream,
-            lambda a: dist.all_gather_single(out, inp, group=self.group, async_op=a),
+            lambda a: compat.all_gather_single(out, inp, group=self.group, async_op=a),
             label,
         )
 
@@ -294,7 +296,7 @@ class Communicator:
             return self._p2p_reduce_scatter(out, inp, op, scratch, label)
         return self._launch(
             self.rs_stream,
-            lambda a: dist.reduce_scatter_single(out, inp, op=op, group=self.group, async_op=a),
+            lambda a: compat.reduce_scatter_single(out, inp, op=op, group=self.group, async_op=a),
             label,
         )
 

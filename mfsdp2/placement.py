@@ -41,9 +41,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.device_mesh import DeviceMesh
+
+from . import compat
 
 __all__ = ["RowShard", "row_sharded_dtensor", "data_parallel_dtensor"]
 
@@ -88,7 +89,7 @@ class RowShard(Shard):
         padded = moved.new_zeros((m,) + tuple(moved.shape[1:]))
         padded[: moved.shape[0]] = moved
         out = padded.new_empty((m * len(self.rows),) + tuple(moved.shape[1:]))
-        dist.all_gather_single(out, padded.contiguous(), group=mesh.get_group(mesh_dim))
+        compat.all_gather_single(out, padded.contiguous(), group=mesh.get_group(mesh_dim))
         full = torch.cat([out[i * m : i * m + r] for i, r in enumerate(self.rows)])
         return full.movedim(0, self.dim).contiguous()
 

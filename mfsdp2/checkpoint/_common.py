@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .. import compat
 from ..placement import RowShard, row_sharded_dtensor
 
 __all__ = [
@@ -90,7 +91,7 @@ def gather_rows(local: torch.Tensor, rows: Sequence[int], group) -> torch.Tensor
     padded = local.new_zeros((m,) + tuple(local.shape[1:]))
     padded[: local.shape[0]] = local
     out = local.new_empty((n * m,) + tuple(local.shape[1:]))
-    dist.all_gather_single(out, padded, group=group)
+    compat.all_gather_single(out, padded, group=group)
     return torch.cat([out[i * m : i * m + r] for i, r in enumerate(rows)])
 
 

@@ -1,0 +1,62 @@
+"""Torch-version compatibility: the few torch APIs mfsdp2 uses that older releases lack.
+
+setup.py pins the torch mfsdp2 is developed and tested against (2.13), but the runtime also has to
+run on older installs (our CUDA test machine has torch 2.11). Two things differ:
+
+* ``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` (torch 2.13) are called
+  ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` before (same arguments).
+  :func:`all_gather_single` / :func:`reduce_scatter_single` call whichever exists. The function is
+  looked up on ``torch.distributed`` at *call* time, not import time, so code that replaces
+  ``dist.all_gather_single`` on the module (the tests' and benchmarks' collective spies and
+  counters) still sees every call; :func:`all_gather_name` / :func:`reduce_scatter_name` say which
+  attribute a spy has to replace on the running torch.
+* ``UntypedStorage._swap_data_ptr_`` re-points a storage at memory it does not own: the buffers'
+  gathered weights then live in blocks from mfsdp2's own allocator (see ``buffer.py``). Without it
+  (:data:`HAS_STORAGE_SWAP` false) the buffers fall back to torch FSDP2's ``storage.resize_``.
+  ``MFSDP2_NO_STORAGE_SWAP=1`` forces that fallback on any torch (to test it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "HAS_STORAGE_SWAP",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_gather_name",
+    "reduce_scatter_name",
+]
+
+#: Whether buffers re-point their storage at allocator blocks (else: ``resize_``, see buffer.py).
+#: Read when a buffer is built: setting it to False before building a model forces the fallback.
+HAS_STORAGE_SWAP: bool = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and os.environ.get(
+    "MFSDP2_NO_STORAGE_SWAP", "0"
+) != "1"
+
+
+def all_gather_name() -> str:
+    """The ``torch.distributed`` attribute :func:`all_gather_single` calls on this torch."""
+    return "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
+def reduce_scatter_name() -> str:
+    """The ``torch.distributed`` attribute :func:`reduce_scatter_single` calls on this torch."""
+    return "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
+def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """Gather every rank's equal-size ``inp`` into ``out`` (rank order); ``dist.all_gather_single``
+    where torch has it, else ``dist.all_gather_into_tensor``."""
+    return getattr(dist, all_gather_name())(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(
+    out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False
+):
+    """Reduce ``inp`` over ranks and scatter equal pieces into ``out``; ``dist.reduce_scatter_single``
+    where torch has it, else ``dist.reduce_scatter_tensor``."""
+    return getattr(dist, reduce_scatter_name())(out, inp, op=op, group=group, async_op=async_op)
