@@ -280,8 +280,11 @@ class CommReplay:
     def __init__(self, records: list, world_size: int, counter: Optional[CollectiveCounter] = None,
                  device: str = "cpu"):
         fns = counter.originals if counter is not None else {}
-        self._ag = fns.get("all_gather_single", dist.all_gather_single)
-        self._rs = fns.get("reduce_scatter_single", dist.reduce_scatter_single)
+        # before torch 2.13: all_gather_into_tensor / reduce_scatter_tensor (mfsdp2/compat.py)
+        ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        rs = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+        self._ag = fns.get(ag) or getattr(dist, ag)
+        self._rs = fns.get(rs) or getattr(dist, rs)
         self._ar = fns.get("all_reduce", dist.all_reduce)
         self._bc = fns.get("broadcast", dist.broadcast)
         self._isend = fns.get("isend", dist.isend)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp2 import FSDPModule, fully_shard
+from mfsdp2 import FSDPModule, compat, fully_shard
 
 from ._dist import run_ranks
 from .models import build, make_opt, reference_run, sharded_train_step
@@ -120,20 +120,21 @@ def _int_reshard(rank, ws, k):
     fully_shard(model, mesh=mesh)
     opt = make_opt("adamw", model.parameters())
     sizes = []
-    orig = dist.all_gather_single
+    name = compat.all_gather_name()  # all_gather_single, or all_gather_into_tensor before torch 2.13
+    orig = getattr(dist, name)
 
     def spy(out, inp, group=None, async_op=False):
         sizes.append(dist.get_world_size(group))
         return orig(out, inp, group=group, async_op=async_op)
 
-    dist.all_gather_single = spy
+    setattr(dist, name, spy)
     losses = []
     try:
         for step in range(STEPS):
             sizes.clear()
             losses.append(sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH))
     finally:
-        dist.all_gather_single = orig
+        setattr(dist, name, orig)
     full = {k_: p.full_tensor() for k_, p in model.named_parameters()}
     return losses, full, sorted(sizes)
 

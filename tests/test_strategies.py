@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp2 import MixedPrecisionPolicy, fully_shard
+from mfsdp2 import MixedPrecisionPolicy, compat, fully_shard
 
 from ._dist import run_ranks
 from .models import batch, build, local_grad_rows, loss_fn, make_opt, reference_run, sharded_train_step
@@ -139,14 +139,15 @@ def _gathers_once_per_step(rank, ws):
     model = _wrap(build("net"), mesh, "optim_grads")
     opt = make_opt("adamw", model.parameters())
     calls = []
-    orig = dist.all_gather_single
+    name = compat.all_gather_name()  # all_gather_single, or all_gather_into_tensor before torch 2.13
+    orig = getattr(dist, name)
 
     def spy(out, inp, group=None, async_op=False):
         if out.numel() > 2 * ws:  # not the small agreement / presence collectives
             calls.append(out.numel())
         return orig(out, inp, group=group, async_op=async_op)
 
-    dist.all_gather_single = spy
+    setattr(dist, name, spy)
     per_step = []
     try:
         for step in range(3):
@@ -163,7 +164,7 @@ def _gathers_once_per_step(rank, ws):
         model(batch(10, 4, 12)[0]).sum().backward()  # accumulation, no optimizer step
         per_step.append(len(calls))
     finally:
-        dist.all_gather_single = orig
+        setattr(dist, name, orig)
     return per_step
 
 
