@@ -16,6 +16,13 @@ The storage is re-pointed with ``UntypedStorage._swap_data_ptr_`` and a non-owni
 ``torch._C._construct_storage_from_data_pointer`` (what torch's CUDA-graph trees use to place
 tensors in their pool): the block tensor is kept in ``_block`` so its memory outlives the views.
 
+Torch without ``_swap_data_ptr_`` (before 2.13; or ``MFSDP2_NO_STORAGE_SWAP=1``, see
+``compat.py``) gets torch FSDP2's approach instead: an unshard is ``storage.resize_(nbytes)`` and a
+reshard ``storage.resize_(0)``, so the bytes come from torch's own allocator (on CUDA its caching
+allocator; on CPU a fresh allocation each time) and the runtime's allocator does not serve gathered
+weights (it still serves gradients and reduce-scatter buffers). ``resize_`` keeps the storage
+object, so the zero-copy views and the views autograd saved in forward stay valid all the same.
+
 Reduce-scatter reads a full-size gradient buffer and writes a *separate* shard-size output: a
 reduce-scatter whose output aliases its input overwrites data it has not yet read.
 """
@@ -26,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from . import compat
 from .comm import CommHandle, Communicator
 from .layout import BufferLayout
 
@@ -61,6 +69,8 @@ class DataParallelBuffer:
         self.unsharded = (torch.zeros if persistent else torch.empty)(layout.total_numel, dtype=dtype, device=device)
         self._storage = self.unsharded.untyped_storage()
         self._nbytes = self._storage.nbytes()
+        # Re-point the storage at allocator blocks (else resize_ it); fixed for the buffer's life.
+        self._swap = compat.HAS_STORAGE_SWAP
         # Where the gathered bytes come from while unsharded: (block tensor, allocator, key);
         # the block is None for the storage's own initial memory, which the first free releases.
         self._block: Optional[torch.Tensor] = None
@@ -125,8 +135,12 @@ class DataParallelBuffer:
 
     def materialize(self, allocator=None, key=None) -> None:
         """Give the unsharded storage its bytes: a block from ``allocator`` under ``key`` (or a
-        plain ``torch.empty`` when there is no allocator yet, e.g. before the root's first forward)."""
+        plain ``torch.empty`` when there is no allocator yet, e.g. before the root's first forward).
+        Without storage swapping: ``resize_`` from torch's allocator, ``allocator`` unused."""
         if self.is_unsharded:
+            return
+        if not self._swap:
+            self._storage.resize_(self._nbytes)
             return
         n = self.layout.total_numel
         if allocator is not None:
@@ -138,6 +152,9 @@ class DataParallelBuffer:
 
     def free_unsharded(self) -> None:
         if self.persistent or not self.is_unsharded:
+            return
+        if not self._swap:
+            self._storage.resize_(0)
             return
         self._point_storage_at(0, 0)
         alloc, key = self._alloc, self._key
