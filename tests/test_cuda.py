@@ -9,7 +9,9 @@ test, so a CUDA error or a hang fails that test alone). What is covered:
   same casts), over the three allocators;
 * the zero-copy gathered weights: the unsharded storage is re-pointed at allocator blocks
   (``_swap_data_ptr_``) and the parameter views autograd saved in forward read the new block in
-  backward, after the old one was handed to someone else (or released) and filled with NaN;
+  backward, after the old one was handed to someone else (or released) and filled with NaN (torch
+  without ``_swap_data_ptr_``: skipped); the ``storage.resize_`` fallback of older torch (forced)
+  keeps the same views and saved views valid;
 * the CUDA-only lines of ``Communicator._launch`` / ``CommHandle.wait``: a side stream waits on
   the current stream before touching memory, and ``wait()`` makes the current stream (not the
   host) wait on the collective. Each of these has a control that drops the synchronisation and
@@ -31,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ._dist import free_port
+from mfsdp2 import compat
 from mfsdp2.allocator import DynamicAllocator
 
 from .models import batch, build, loss_fn, make_opt
@@ -38,6 +41,11 @@ from .models import batch, build, loss_fn, make_opt
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA GPU (NCCL, CUDA side streams, CUDA storage re-pointing); the gloo tests cover CPU",
+)
+# The zero-copy tests below check where the allocator's blocks go; without _swap_data_ptr_ (torch
+# before 2.13) gathered weights come from storage.resize_ instead, tested by the resize_ test.
+needs_storage_swap = pytest.mark.skipif(
+    not compat.HAS_STORAGE_SWAP, reason="needs UntypedStorage._swap_data_ptr_ (torch >= 2.13)"
 )
 
 STEPS = 10
@@ -323,11 +331,70 @@ def _zero_copy_buffer():
     return ok, shared, released
 
 
+@needs_storage_swap
 def test_cuda_zero_copy_buffer_saved_views_follow_the_storage():
     ok, writes_shared, released = run_cuda(_zero_copy_buffer)
     assert ok, "the view saved in forward did not read the re-pointed block in backward"
     assert writes_shared, "parameter views and the allocator block are not the same memory"
     assert released, "the block's memory was not returned after reshard + allocator release"
+
+
+def _resize_buffer():
+    """The fallback without _swap_data_ptr_ (forced here on any torch): unshard/reshard resize the
+    storage in place; the allocator is not asked, the views (and one autograd saved) follow the
+    storage into its new memory, and a reshard returns the bytes to torch's caching allocator."""
+    from mfsdp2.buffer import DataParallelBuffer
+    from mfsdp2.comm import Communicator
+    from mfsdp2.layout import plan_layout
+
+    compat.HAS_STORAGE_SWAP = False  # read when a buffer is built (this spawned process only)
+    dev = _dev()
+    comm = Communicator(dist.group.WORLD, dev)
+    layout = plan_layout([(64, 32), (32,)], 1)
+    buf = DataParallelBuffer(layout, torch.float32, dev, comm)
+    values = torch.randn(layout.shard_numel, device=dev)
+    buf.shard.copy_(values)
+    w, b = buf.param_views()
+    storage = buf._storage
+    buf.free_unsharded()
+    assert not buf.is_unsharded and storage.nbytes() == 0
+    alloc = _PoisoningAllocator()
+    nbytes = buf.nbytes
+
+    buf.all_gather(alloc, "k").wait()
+    assert buf.is_unsharded and storage.nbytes() == nbytes and buf._storage is storage
+    assert not alloc._live and not alloc.quarantine, "the runtime allocator must not serve the weights"
+    ptr0 = storage.data_ptr()
+    assert w.data_ptr() == ptr0 and w.untyped_storage().data_ptr() == ptr0
+    expect_w = buf.param_view(values, 0).clone()
+    assert torch.equal(w, expect_w) and torch.equal(b, buf.param_view(values, 1))
+
+    x = torch.randn(64, 32, device=dev, requires_grad=True)
+    y = (x * w).sum()  # autograd saves the view w
+
+    before = torch.cuda.memory_allocated(dev)
+    buf.free_unsharded()
+    released = before - torch.cuda.memory_allocated(dev) >= nbytes
+    assert not buf.is_unsharded and storage.nbytes() == 0
+    # The freed block goes to whoever asks next (same size, same stream): fill it with NaN and hold
+    # it, so the next unshard lands elsewhere and a view still reading the old memory reads NaN.
+    junk = torch.full((layout.total_numel,), float("nan"), device=dev)
+    buf.all_gather(alloc, "k").wait()
+    assert w.data_ptr() == storage.data_ptr() != junk.data_ptr() and torch.equal(w, expect_w)
+    y.backward()  # reads the saved view: must see the new memory, and no version-counter error
+    ok = torch.equal(x.grad, expect_w)
+    with torch.no_grad():
+        b.fill_(3.0)
+    shared = bool((buf.param_view(buf._writer, 1) == 3.0).all())
+    del junk
+    return ok, shared, released
+
+
+def test_cuda_resize_fallback_saved_views_follow_the_storage():
+    ok, writes_shared, released = run_cuda(_resize_buffer)
+    assert released, "reshard did not return the bytes to the CUDA caching allocator"
+    assert ok, "the view saved in forward did not read the resized storage in backward"
+    assert writes_shared, "parameter views and the unsharded storage are not the same memory"
 
 
 def _zero_copy_model(steps):
@@ -388,6 +455,7 @@ def _zero_copy_model(steps):
     return losses, ref_losses, params, ref_params, moved, poisoned
 
 
+@needs_storage_swap
 def test_cuda_zero_copy_model_backward_reads_regathered_blocks():
     losses, ref_losses, params, ref_params, moved, poisoned = run_cuda(_zero_copy_model, 4)
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
