@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 
@@ -25,9 +26,10 @@ def _wrap(model, mesh, strategy):
     return model
 
 
-def _hsdp(rank, ws):
+def _hsdp(rank, ws, path):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     out = {}
+    saved = None
     for strategy in ("optim_grads_params", "optim_grads"):
         model = _wrap(build("net"), mesh, strategy)
         p = model.blocks[0].fc1.weight
@@ -35,6 +37,12 @@ def _hsdp(rank, ws):
         opt = make_opt("adamw", model.parameters())
         losses = [sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH) for step in range(STEPS)]
         out[strategy] = (losses, {k: q.full_tensor() for k, q in model.named_parameters()})
+        if strategy == "optim_grads_params":
+            # DCP round trip of the (Replicate, RowShard) state dict, into plain full tensors.
+            sd = model.state_dict()
+            dcp.save(sd, checkpoint_id=path)
+            saved = {k: torch.zeros(v.shape) for k, v in sd.items()}
+            dcp.load(saved, checkpoint_id=path)
 
     # Accumulation over two micro-batches: the first skips the all-reduce across replicas.
     model = _wrap(build("net"), mesh, "optim_grads_params")
@@ -65,7 +73,7 @@ def _hsdp(rank, ws):
         start = q.placements[1].starts[mesh.get_local_rank(1)]
         assert (q.grad is None) == (q.to_local().numel() == 0), k
         grads[k] = (start, q.grad.to_local().clone() if q.grad is not None else q.to_local().detach().clone())
-    return out, grads, len(calls), n_groups
+    return out, grads, len(calls), n_groups, saved
 
 
 def _reference_accumulated_grads():
@@ -84,10 +92,12 @@ def _close(a, b, name, rel=1e-5):
 
 
 @pytest.mark.slow
-def test_hsdp_2x2_matches_reference_and_accumulates_with_one_all_reduce():
+def test_hsdp_2x2_matches_reference_and_accumulates_with_one_all_reduce(tmp_path):
     ref_losses, ref_params = reference_run("net", "adamw", STEPS, GLOBAL_BATCH)
     ref_grads = _reference_accumulated_grads()
-    for rank, (per_strategy, grads, n_all_reduce, n_groups) in enumerate(run_ranks(_hsdp, 4)):
+    for rank, (per_strategy, grads, n_all_reduce, n_groups, saved) in enumerate(run_ranks(_hsdp, 4, str(tmp_path / "ckpt"))):
+        for name, ref in ref_params.items():
+            _close(saved[name], ref, f"checkpoint {name} rank {rank}")
         for strategy, (losses, full) in per_strategy.items():
             for step, (a, b) in enumerate(zip(losses, ref_losses)):
                 assert abs(a - b) <= 1e-5 * abs(b), f"{strategy} rank {rank} step {step}: {a} vs {b}"
