@@ -67,6 +67,7 @@ EXPECTED = {
     "E40": (ValueError, "not the other dimension of the data-parallel mesh's 2-D parent"),
     "E41": (ValueError, "cannot combine with TP here"),
     "E42": (ValueError, "torch optimizers need each gradient in its parameter's dtype"),
+    "E43": (ValueError, "helpers handle row-sharded 1-D layouts"),
 }
 
 
@@ -155,6 +156,10 @@ def _rows_ws1(rank, ws):
     tp = parallelize_module(nn.Linear(3, 3), mesh2["tp"], ColwiseParallel())
     _capture(out, "E41", lambda: fully_shard(tp, mesh=mesh2["dp"], sharding_strategy="no_shard"))
     _capture(out, "E42", lambda: MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16))
+    from mfsdp2 import state_dict as msd
+
+    replicated = fully_shard(nn.Linear(3, 3), mesh=mesh, sharding_strategy="no_shard")
+    _capture(out, "E43", lambda: msd.get_model_state_dict(replicated, options=msd.StateDictOptions(full_state_dict=True)))
     divided = fully_shard(nn.Linear(3, 3), mesh=mesh)
     _capture(out, "E39", lambda: divided.set_gradient_divide_factor(0))
     _capture(out, "E07", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, reshard_after_forward=3))

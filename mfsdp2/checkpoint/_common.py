@@ -185,6 +185,7 @@ def sharded_params(model: nn.Module, clean: bool = False) -> dict[str, ShardedPa
     """
     from ..module import FSDPModule
 
+    units(model)  # refuses layouts these helpers do not handle, with what to use instead
     out: dict[str, ShardedParam] = {}
     for path, m in model.named_modules():
         if not isinstance(m, FSDPModule):
@@ -205,7 +206,18 @@ def sharded_params(model: nn.Module, clean: bool = False) -> dict[str, ShardedPa
 def units(model: nn.Module) -> list:
     from ..module import FSDPModule
 
-    return [m._mfsdp2_state for m in model.modules() if isinstance(m, FSDPModule)]
+    states = [m._mfsdp2_state for m in model.modules() if isinstance(m, FSDPModule)]
+    for s in states:
+        for g in s.groups:
+            if g.config.shard_dim is None or g.mesh.ndim != 1 or any(t is not None for t in g.tp_specs):
+                kind = "no_shard" if g.config.shard_dim is None else ("HSDP" if g.mesh.ndim != 1 else "FSDP x TP")
+                raise ValueError(
+                    f"mfsdp2.state_dict helpers handle row-sharded 1-D layouts (ZeRO-1/2/3 on a 1-D mesh); "
+                    f"unit {s.name!r} is {kind}. Save and load its model state with model.state_dict() / "
+                    "model.load_state_dict() and torch.distributed.checkpoint (dcp.save / dcp.load), which "
+                    "handle these placements"
+                )
+    return states
 
 
 def model_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
