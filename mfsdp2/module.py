@@ -155,7 +155,8 @@ class FSDPModule:
         out = dict.fromkeys(("model_weight_bytes", "main_weight_bytes", "main_grad_bytes", "fp8_bytes", "partial_grad_bytes"), 0)
         groups = [g for s in self._units(True) for g in s.groups]
         for g in groups:
-            out["model_weight_bytes"] += distinct(g.weights.unsharded if g.persistent else g.weights.shard)
+            shard = g.weights.shard if g.weights.shard.dtype == g.compute_dtype else None  # else: cast per gather
+            out["model_weight_bytes"] += distinct(g.weights.unsharded if g.persistent else shard)
         for g in groups:
             out["main_weight_bytes"] += distinct(g.main_weight)
             out["main_grad_bytes"] += distinct(g.main_grad_full if g.main_grad_full is not None else g.main_grad)

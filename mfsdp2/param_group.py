@@ -4,8 +4,10 @@ A group owns three flat buffers planned by one :class:`~mfsdp2.layout.BufferLayo
 
 * the **main weights** (``main_weight``, shard only, fp32 by default): what the optimizer updates;
 * the **model weights** (a :class:`~mfsdp2.buffer.DataParallelBuffer` in the compute dtype): its
-  shard is cast from the main weights once per optimizer step (or *is* the main shard when the
-  dtypes match) and its unsharded storage is what forward and backward compute with;
+  unsharded storage is what forward and backward compute with; its shard *is* the main shard, cast
+  to the compute dtype as it is copied into each gather (no bf16 copy is kept between gathers, as
+  in FSDP2). Persistent buffers (ZeRO-1/2, no_shard) hold the full weights and are cast into
+  their local slice once per optimizer step;
 * the **main gradients** (``main_grad``, shard only, fp32 by default): where reduce-scattered
   gradients accumulate.
 
@@ -135,9 +137,8 @@ class ParameterGroup:
             self.main_weight = self.weights.shard if same else torch.zeros(S, dtype=self.main_dtype, device=device)
         else:
             self.main_weight = torch.zeros(S, dtype=self.main_dtype, device=device)
-            model_shard = self.main_weight if same else torch.zeros(S, dtype=self.compute_dtype, device=device)
-            self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, comm, shard=model_shard)
-        self._needs_cast = not same
+            self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, comm, shard=self.main_weight)
+        self._needs_cast = not same and self.persistent  # ZeRO-3 casts inside each gather instead
         # Persistent weights: the ranks' agreed answer to "did any rank's optimizer step since the
         # last gather" (set at the root's forward, see hooks._agree_on_gathers); None: ask locally.
         self.agreed_stale: Optional[bool] = None
@@ -146,7 +147,7 @@ class ParameterGroup:
             self.fp8 = Float8Gather(self, config.fp8)
 
         self._cast_version = -1
-        self.casts = 0  # main -> model casts done (tests check: once per optimizer step)
+        self.casts = 0  # main -> model casts into a persistent buffer (tests: once per optimizer step)
         self.gathered_version = -1
         self.kept: Optional[torch.Tensor] = None  # shards kept by a partial reshard (int reshard_after_forward)
         self.main_grad: Optional[torch.Tensor] = None  # from the first reduction to the release
