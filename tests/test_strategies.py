@@ -118,6 +118,7 @@ def test_strategies_match_reference_and_zero_memory_formulas(ws, kind):
             params = stats["model_weight_bytes"] + stats["main_weight_bytes"]
             grads = stats["main_grad_bytes"]
             n_shard = 1 if strategy == "no_shard" else ws
+            assert P == n_shard * S, (where, P, S)
             exact = _formula(strategy, P, n_shard)
             assert params == exact["params"], (where, params, exact)
             assert grads == exact["grads"], (where, grads, exact)
