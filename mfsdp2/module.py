@@ -220,6 +220,14 @@ def _collect(
             fqn = prefix + attr
             if isinstance(p, DTensor) and id(p) not in specs:
                 specs[id(p)] = tp_spec_of(p, mesh, fqn, type(module).__name__)
+            elif type(p) is not nn.Parameter and not isinstance(p, DTensor):
+                raise ValueError(
+                    f"mfsdp2: parameter {fqn!r} of {type(module).__name__} is a {type(p).__name__}, a tensor "
+                    "subclass (a lazy module's uninitialised parameter, or a quantised weight such as "
+                    "TransformerEngine's Float8Tensor/MXFP8Tensor); mfsdp2 shards plain tensors and "
+                    "tensor-parallel DTensors. Run a forward to initialise lazy modules, build TE models "
+                    "without fp8_model_init, and gather in float8 with MixedPrecisionPolicy(all_gather_dtype=...)"
+                )
             if p.device.type == "meta":  # sharded now, values later: mfsdp2.materialize(model)
                 pass
             elif p.device != device and not (p.device.type == device.type == "cpu"):

@@ -68,6 +68,7 @@ EXPECTED = {
     "E41": (ValueError, "cannot combine with TP here"),
     "E42": (ValueError, "torch optimizers need each gradient in its parameter's dtype"),
     "E43": (ValueError, "helpers handle row-sharded 1-D layouts"),
+    "E44": (ValueError, "is a UninitializedParameter, a tensor subclass"),
 }
 
 
@@ -158,6 +159,7 @@ def _rows_ws1(rank, ws):
     _capture(out, "E42", lambda: MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16))
     from mfsdp2 import state_dict as msd
 
+    _capture(out, "E44", lambda: fully_shard(nn.LazyLinear(3), mesh=mesh))
     replicated = fully_shard(nn.Linear(3, 3), mesh=mesh, sharding_strategy="no_shard")
     _capture(out, "E43", lambda: msd.get_model_state_dict(replicated, options=msd.StateDictOptions(full_state_dict=True)))
     divided = fully_shard(nn.Linear(3, 3), mesh=mesh)
