@@ -329,8 +329,9 @@ def post_backward(state: FSDPState) -> None:
                     issued = True
             if issued:
                 event_log.record("rs_issue", state.name)
-                if state in ctx.reduce_queue:
-                    ctx.reduce_queue.remove(state)
+                for q in (ctx.reduce_queue, ctx.allreduce_queue):
+                    if state in q:
+                        q.remove(state)
                 ctx.reduce_queue.append(state)
                 _drain(ctx, keep=1)
     if state.reshard_after_backward:
@@ -340,13 +341,24 @@ def post_backward(state: FSDPState) -> None:
 
 
 def _drain(ctx: RootContext, keep: int) -> None:
-    """Finish the oldest in-flight reductions until at most ``keep`` remain."""
+    """Advance the oldest in-flight reductions until at most ``keep`` remain in each stage: a
+    unit whose shard-group reduction finishes moves on to its all-reduce across replicas (HSDP),
+    which is finished in turn when more than ``keep`` of those are in flight."""
     while len(ctx.reduce_queue) > keep:
         s = ctx.reduce_queue.pop(0)
         with trace_range(f"mfsdp2.finish_reduce {s.name}"):
+            done = [g.advance_reduce(ctx.allocator) for g in s.groups]
+        if all(done):
+            event_log.record("rs_done", s.name)
+        else:
+            event_log.record("ar_issue", s.name)
+            ctx.allreduce_queue.append(s)
+    while len(ctx.allreduce_queue) > keep:
+        s = ctx.allreduce_queue.pop(0)
+        with trace_range(f"mfsdp2.finish_all_reduce {s.name}"):
             for g in s.groups:
                 g.finish_reduce(ctx.allocator)
-        event_log.record("rs_done", s.name)
+        event_log.record("ar_done", s.name)
 
 
 def _sync_grad_presence(ctx: RootContext) -> None:
@@ -423,6 +435,7 @@ def reset(ctx: RootContext) -> None:
         s.post_backward_done = False
         s.expect_backward = False
     ctx.reduce_queue.clear()
+    ctx.allreduce_queue.clear()
     ctx.callback_queued = False
     ctx.schedule.abandon_pass()
     event_log.record("reset", ctx.root.name)

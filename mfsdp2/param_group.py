@@ -84,6 +84,7 @@ class _PendingReduce:
     key: object
     all_reduce: bool  # HSDP: all-reduce ``out`` across replicas when the shard-group part is done
     op: object  # the replicate all-reduce's op
+    stage: str = "rs"  # "rs": the shard-group collective is in flight; "ar": the replicate all-reduce
 
 
 class ParameterGroup:
@@ -452,40 +453,54 @@ class ParameterGroup:
         return self._pending_reduce is not None
 
     def finish_reduce(self, allocator: BucketAllocator) -> None:
-        """Wait for the in-flight reduction and accumulate it into ``main_grad`` (HSDP: after
-        the all-reduce across replicas, or into the partial sum when that is skipped)."""
-        if self._pending_reduce is None:
-            return
+        """Wait for the in-flight reduction (both stages) and accumulate it into ``main_grad``."""
+        while self._pending_reduce is not None:
+            self.advance_reduce(allocator)
+
+    def advance_reduce(self, allocator: BucketAllocator) -> bool:
+        """Finish the in-flight reduction's current stage; True when nothing is pending any more.
+
+        HSDP has two stages: when the shard-group reduction is done, the all-reduce across
+        replicas is *issued* (async, its own CUDA stream) and waited only at the next drain, so it
+        overlaps the next unit's backward instead of stalling the compute stream behind it. With
+        ``set_requires_all_reduce(False)`` the shard-group result goes into the partial sum."""
         p = self._pending_reduce
-        self._pending_reduce = None
+        if p is None:
+            return True
         p.handle.wait()
-        if not self.full_grads:
-            self._free_reduce_buffers(allocator, p.key)
         out = p.out
         with torch.no_grad():
-            if self.replicate_comm is not None and not p.all_reduce:
-                # set_requires_all_reduce(False): keep the shard-group sum for the next all-reduce.
-                if self.partial is None:
-                    self.partial = allocator.allocate(self._partial_key(), out.numel(), out.dtype, self.device)
-                    self.partial.copy_(out)
-                else:
-                    self.partial.add_(out)
-                self._free_out(allocator, p)
-                self.local_grad_flags = [a or b for a, b in zip(self.local_grad_flags, p.has_grad)]
-                return
-            if self.replicate_comm is not None:
-                if self.partial is not None:
-                    out.add_(self.partial)
-                    self.partial = None
-                    allocator.free(self._partial_key())
-                label = f"all-reduce across replicas of {self.name}"
-                self.replicate_comm.all_reduce(out, p.op, label=label).wait()
+            if p.stage == "rs":
+                if not self.full_grads:
+                    self._free_reduce_buffers(allocator, p.key)
+                if self.replicate_comm is not None and not p.all_reduce:
+                    # set_requires_all_reduce(False): keep the shard-group sum for the next all-reduce.
+                    if self.partial is None:
+                        self.partial = allocator.allocate(self._partial_key(), out.numel(), out.dtype, self.device)
+                        self.partial.copy_(out)
+                    else:
+                        self.partial.add_(out)
+                    self._free_out(allocator, p)
+                    self._pending_reduce = None
+                    self.local_grad_flags = [a or b for a, b in zip(self.local_grad_flags, p.has_grad)]
+                    return True
+                if self.replicate_comm is not None:
+                    if self.partial is not None:
+                        out.add_(self.partial)
+                        self.partial = None
+                        allocator.free(self._partial_key())
+                    label = f"all-reduce across replicas of {self.name}"
+                    p.handle = self.replicate_comm.all_reduce(out, p.op, label=label)
+                    p.stage = "ar"
+                    return False
+            self._pending_reduce = None
             if not p.direct:
                 self._accumulate(allocator, out)
             self._free_out(allocator, p)
         self.local_grad_flags = [a or b for a, b in zip(self.local_grad_flags, p.has_grad)]
         self.expose_grads(p.has_grad)
         self.grads_reduced_this_step = True
+        return True
 
     def _accumulate(self, allocator: BucketAllocator, out: torch.Tensor) -> None:
         """main_grad += out, restarting at zero the parameters whose grad the user cleared."""

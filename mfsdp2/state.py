@@ -102,6 +102,7 @@ class RootContext:
         self.schedule = Schedule(states)
         self.callback_queued = False
         self.reduce_queue: list[FSDPState] = []  # units with a reduce-scatter in flight, oldest first
+        self.allreduce_queue: list[FSDPState] = []  # HSDP: units whose all-reduce across replicas is in flight
         self.step = 0
 
     @classmethod

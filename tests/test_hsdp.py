@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 
 from mfsdp2 import RowShard, fully_shard
+from mfsdp2.profiling import event_log
 
 from ._dist import run_ranks
 from .models import batch, build, loss_fn, make_opt, reference_run, sharded_train_step
@@ -57,16 +58,25 @@ def _hsdp(rank, ws, path):
 
     dist.all_reduce = spy
     n = GLOBAL_BATCH // ws
+    event_log.enabled = True
     try:
         for micro in range(2):
             model.set_requires_all_reduce(micro == 1)
             x, y = batch(micro, GLOBAL_BATCH, 12)
+            event_log.clear()
             loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
             if micro == 0:
                 assert not calls, "the all-reduce across replicas ran although it was switched off"
                 assert all(q.grad is None for q in model.parameters()), "grads exposed before the all-reduce"
+        # The all-reduce across replicas overlaps later units' backward: issued, then another
+        # unit's backward begins, then it is waited.
+        ev = [(k, u) for k, u in event_log.events if k in ("ar_issue", "ar_done", "backward_begin")]
+        first = next(i for i, (k, _) in enumerate(ev) if k == "ar_issue")
+        done = next(i for i, (k, u) in enumerate(ev) if k == "ar_done" and u == ev[first][1])
+        assert any(k == "backward_begin" for k, _ in ev[first:done]), ev
     finally:
         dist.all_reduce = orig
+        event_log.enabled = False
     n_groups = sum(len(m._mfsdp2_state.groups) for m in model.modules() if hasattr(m, "_mfsdp2_state"))
     grads = {}
     for k, q in model.named_parameters():  # this rank's rows (a rank holding none has grad None)
