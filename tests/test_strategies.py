@@ -337,3 +337,33 @@ def test_checkpoint_round_trip_for_every_strategy(tmp_path):
             for k in saved:
                 # Zeroed after the save, loaded back, one more step: exactly the uninterrupted run.
                 _assert_close_rel(after[k], ref_after[k], f"{strategy} {k} after save / zero / load / step")
+
+
+# -- gradient accumulation without sync --------------------------------------------------------
+def _no_sync_run(rank, ws):
+    mesh = init_device_mesh("cpu", (ws,))
+    out = {}
+    n = GLOBAL_BATCH // ws
+    for strategy in STRATEGIES:
+        model = _wrap(build("net"), mesh, strategy)
+        for micro in range(3):
+            model.set_requires_gradient_sync(micro == 2)
+            x, y = batch(micro, GLOBAL_BATCH, 12)
+            loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
+            if micro < 2:
+                assert all(p.grad is None for p in model.parameters()), "grads exposed before the sync"
+        out[strategy] = {k: local_grad_rows(p) for k, p in model.named_parameters()}
+    return out
+
+
+def test_accumulation_without_sync_for_every_strategy():
+    torch.set_num_threads(1)
+    ref_model = build("net")
+    for micro in range(3):
+        x, y = batch(micro, GLOBAL_BATCH, 12)
+        loss_fn(ref_model(x), y).backward()
+    ref = {k: p.grad for k, p in ref_model.named_parameters()}
+    for per_strategy in run_ranks(_no_sync_run, 2):
+        for strategy, grads in per_strategy.items():
+            for name, (start, g) in grads.items():
+                _assert_close_rel(g, ref[name][start : start + g.shape[0]], f"{strategy} {name}")
