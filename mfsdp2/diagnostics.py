@@ -50,21 +50,30 @@ def _fmt(n: float) -> str:
 
 def describe(model: nn.Module) -> str:
     """Units, groups and bytes on this rank, as a plain-text table (no communication)."""
-    headers = ["unit", "group", "params", "elements", "padding", "shard elems", "main weight", "model shard",
-               "main grad", "gathered", "world"]
+    headers = ["unit", "group", "strategy", "params", "elements", "padding", "shard elems", "main weight",
+               "model weight", "main grad", "gathered", "world"]
     rows = []
     tot = dict(main=0, model=0, grad=0, gathered=0, elems=0, padded=0)
     for path, g in _groups(model):
         lay = g.layout
         S = lay.shard_numel
-        main = S * g.main_weight.element_size()
-        model_shard = 0 if g.weights.shard is g.main_weight else S * g.weights.shard.element_size()
-        grad = S * torch.empty((), dtype=g.grad_dtype).element_size() if g.requires_grad else 0
-        gathered = g.weights.nbytes
+        P = lay.total_numel
+        aliased = g.main_weight.data_ptr() == g.weights.shard.data_ptr()
+        # Persistent strategies hold the whole buffer (their main weights are its slice when the
+        # dtypes match); ZeRO-3 casts the main shard into each gather and keeps no model copy.
+        main = 0 if (g.persistent and aliased) else S * g.main_weight.element_size()
+        if g.persistent:
+            model_shard = g.weights.nbytes
+        else:
+            model_shard = 0 if aliased else S * g.weights.shard.element_size()
+        grad_elems = P if g.full_grads else S
+        grad = grad_elems * torch.empty((), dtype=g.grad_dtype).element_size() if g.requires_grad else 0
+        gathered = 0 if g.persistent else g.weights.nbytes
+        strategy = g.strategy.value + ("+fp8" if g.fp8 is not None else "") + (" hsdp" if g.replicate_comm is not None and g.config.shard_dim is not None else "")
         dt = str(g.compute_dtype).replace("torch.", "")
         if g.compute_dtype != g.orig_dtype:
             dt = f"{str(g.orig_dtype).replace('torch.', '')}->{dt}"
-        rows.append([path, dt + ("" if g.requires_grad else " frozen"), str(len(lay.slots)), f"{lay.param_numel:,}",
+        rows.append([path, dt + ("" if g.requires_grad else " frozen"), strategy, str(len(lay.slots)), f"{lay.param_numel:,}",
                      f"{lay.padding_fraction:.2%}", f"{S:,}", _fmt(main), _fmt(model_shard), _fmt(grad),
                      _fmt(gathered), str(lay.world_size)])
         tot["main"] += main
@@ -74,14 +83,15 @@ def describe(model: nn.Module) -> str:
         tot["elems"] += lay.param_numel
         tot["padded"] += lay.total_numel
     pad = tot["padded"] / tot["elems"] - 1 if tot["elems"] else 0.0
-    rows.append(["total", "", "", f"{tot['elems']:,}", f"{pad:.2%}", "", _fmt(tot["main"]), _fmt(tot["model"]),
+    rows.append(["total", "", "", "", f"{tot['elems']:,}", f"{pad:.2%}", "", _fmt(tot["main"]), _fmt(tot["model"]),
                  _fmt(tot["grad"]), "max " + _fmt(tot["gathered"]), ""])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     lines = [" | ".join(h.ljust(w) for h, w in zip(headers, widths)), "-+-".join("-" * w for w in widths)]
     lines += [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.append(
-        "main weight / model shard / main grad: bytes each rank holds (main grads only from the first "
-        "reduction to the next forward after zero_grad); gathered: one unit's unsharded buffer while it runs"
+        "main weight / model weight / main grad: bytes each rank holds (main grads only from the first "
+        "reduction to the next forward after zero_grad; model weight: the full buffer for strategies that keep "
+        "it); gathered: one unit's transient unsharded buffer while it runs"
     )
     return "\n".join(lines)
 
