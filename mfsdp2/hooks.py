@@ -17,8 +17,12 @@ final backward callback.
 * **pre-backward** (multi-grad hook on the outputs, mode "any"): queue the root's final callback
   once per backward, unshard this unit and prefetch the next units of the predicted backward
   order (see :mod:`mfsdp2.schedule`).
+* **root's pre-forward** additionally releases cleared main grads and, when some groups keep
+  persistent weights or gather in FP8, agrees across ranks on which must be regathered and on the
+  FP8 scales (one small all-reduce for the whole model).
 * **post-backward** (backward of :class:`_PostBackward`): pack gradients, issue the async
-  reduce-scatter, keep at most two units' reductions in flight (sliding drain), reshard.
+  reduction, keep at most two units' reductions in flight (sliding drain; HSDP's all-reduce
+  across replicas is a second stage with its own queue), reshard.
 * **final callback** (queued on the autograd engine): reduce what no hook reduced (units whose
   inputs need no grad, like the root; unused outputs), drain every reduction, reshard everything,
   and fail loudly if a unit is still mid-forward.
