@@ -443,24 +443,36 @@ def config_options(config: str) -> dict:
     raise ValueError(f"unknown config {config!r}")
 
 
-def shard(model: nn.Module, framework: str, config: str, mesh) -> nn.Module:
-    """``fully_shard`` every unit, then the root, with ``framework`` ("mfsdp2" or "fsdp2")."""
+def shard(model: nn.Module, framework: str, config: str, mesh, sharding_strategy: Optional[str] = None,
+          all_gather_dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """``fully_shard`` every unit, then the root, with ``framework`` ("mfsdp2" or "fsdp2").
+
+    ``sharding_strategy`` / ``all_gather_dtype`` (mfsdp2 only) go to every ``fully_shard`` call and
+    into the ``MixedPrecisionPolicy``; None keeps mfsdp2's defaults (ZeRO-3, no FP8)."""
     o = config_options(config)
+    extra: dict = {}
     if framework == "mfsdp2":
         from mfsdp2 import MixedPrecisionPolicy, fully_shard
+
+        if sharding_strategy is not None:
+            extra["sharding_strategy"] = sharding_strategy
     elif framework == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if sharding_strategy is not None or all_gather_dtype is not None:
+            raise ValueError("sharding_strategy / all_gather_dtype are mfsdp2 options")
     else:
         raise ValueError(framework)
-    mp = MixedPrecisionPolicy(param_dtype=o["param_dtype"], reduce_dtype=o["reduce_dtype"])
+    mp_kw = {"all_gather_dtype": all_gather_dtype} if all_gather_dtype is not None else {}
+    mp = MixedPrecisionPolicy(param_dtype=o["param_dtype"], reduce_dtype=o["reduce_dtype"], **mp_kw)
     for u in units(model):
-        fully_shard(u, mesh=mesh, mp_policy=mp, reshard_after_forward=o["reshard_after_forward"])
+        fully_shard(u, mesh=mesh, mp_policy=mp, reshard_after_forward=o["reshard_after_forward"], **extra)
     # The root: mfsdp2 never reshards it between forward and backward. FSDP2 (torch 2.13) does the
     # same only when its reshard_after_forward is left at the default (None); an explicit True makes
     # it all-gather the root twice per step.
     root_kw = {} if framework == "fsdp2" and o["reshard_after_forward"] else {
         "reshard_after_forward": o["reshard_after_forward"]}
-    fully_shard(model, mesh=mesh, mp_policy=mp, **root_kw)
+    fully_shard(model, mesh=mesh, mp_policy=mp, **root_kw, **extra)
     return model
 
 
