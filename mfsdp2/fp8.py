@@ -1,8 +1,9 @@
 """FP8 all-gather: weights travel as float8 (e4m3) bytes with one scale per parameter.
 
 Why: the all-gather of the weights is most of FSDP's traffic. Quantising each parameter's main
-(fp32) shard to float8 once per optimizer step halves those bytes against bf16; the module still
-computes in ``param_dtype`` (the gathered bytes are dequantised into the unsharded buffer).
+(fp32) shard to float8 once per forward (backward's regather reuses it) halves those bytes against
+bf16; the module still computes in ``param_dtype`` (the gathered bytes are dequantised into the
+unsharded buffer).
 
 Scales must be identical on every rank -- a parameter's rows are spread over ranks, and rows
 quantised with different scales cannot be dequantised with one. So each rank computes the amax of
@@ -47,8 +48,11 @@ class Float8Gather:
         self.scales = torch.ones(n, dtype=torch.float32, device=group.device)
         self._amax_version = -1
         self._local_amax = torch.zeros(n, dtype=torch.float32, device=group.device)
-        self._quantised: Optional[tuple] = None  # (main version, scales) the shard was made with
-        self.quantisations = 0  # tests: once per optimizer step
+        # (main version, scales version) the shard was quantised with: versions, not values, so
+        # deciding costs no device-to-host copy on CUDA.
+        self._scales_version = 0
+        self._quantised: Optional[tuple] = None
+        self.quantisations = 0  # tests: once per training step (forward), not per gather
 
     def local_amax(self) -> torch.Tensor:
         """Max |w| over this rank's rows of each parameter (0 for an empty piece); cached per
@@ -66,10 +70,11 @@ class Float8Gather:
     def set_global_amax(self, amax: torch.Tensor) -> None:
         scales = torch.where(amax > 0, self.max / amax.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
         self.scales.copy_(scales)
+        self._scales_version += 1
 
     def _quantise(self) -> None:
         g = self.group
-        key = (g.main_version(), tuple(self.scales.tolist()))
+        key = (g.main_version(), self._scales_version)
         if self._quantised == key:
             return
         q = self.bytes.shard.view(self.dtype)
