@@ -112,3 +112,13 @@ def local_grad_rows(p):
         assert p.to_local().numel() == 0, "a rank holding rows must get a gradient"
         return start, p.to_local().detach().clone()
     return start, p.grad.to_local().clone()
+
+
+def assert_close_rel(a: torch.Tensor, b: torch.Tensor, name: str, rel: float = 1e-5) -> None:
+    """max |a - b| <= rel * max |b| (a floor of 1e-3 for tiny tensors); shapes must match."""
+    assert a.shape == b.shape, (name, a.shape, b.shape)
+    if b.numel() == 0:
+        return
+    scale = max(b.abs().max().item(), 1e-3)
+    err = (a - b).abs().max().item()
+    assert err <= rel * scale, f"{name}: max err {err:.3e} > {rel:.0e} * {scale:.3e}"

@@ -14,7 +14,7 @@ from mfsdp2 import RowShard, fully_shard
 from mfsdp2.profiling import event_log
 
 from ._dist import run_ranks
-from .models import batch, build, loss_fn, make_opt, reference_run, sharded_train_step
+from .models import assert_close_rel, batch, build, loss_fn, make_opt, reference_run, sharded_train_step
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -95,26 +95,20 @@ def _reference_accumulated_grads():
     return {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-def _close(a, b, name, rel=1e-5):
-    scale = max(b.abs().max().item(), 1e-3)
-    err = (a - b).abs().max().item()
-    assert err <= rel * scale, f"{name}: max err {err:.3e} > {rel:.0e} * {scale:.3e}"
-
-
 @pytest.mark.slow
 def test_hsdp_2x2_matches_reference_and_accumulates_with_one_all_reduce(tmp_path):
     ref_losses, ref_params = reference_run("net", "adamw", STEPS, GLOBAL_BATCH)
     ref_grads = _reference_accumulated_grads()
     for rank, (per_strategy, grads, n_all_reduce, n_groups, saved) in enumerate(run_ranks(_hsdp, 4, str(tmp_path / "ckpt"))):
         for name, ref in ref_params.items():
-            _close(saved[name], ref, f"checkpoint {name} rank {rank}")
+            assert_close_rel(saved[name], ref, f"checkpoint {name} rank {rank}")
         for strategy, (losses, full) in per_strategy.items():
             for step, (a, b) in enumerate(zip(losses, ref_losses)):
                 assert abs(a - b) <= 1e-5 * abs(b), f"{strategy} rank {rank} step {step}: {a} vs {b}"
             for name, ref in ref_params.items():
-                _close(full[name], ref, f"{strategy} rank {rank} {name}")
+                assert_close_rel(full[name], ref, f"{strategy} rank {rank} {name}")
         assert n_all_reduce == n_groups, (n_all_reduce, n_groups)  # once per group, at the last micro-batch
         for name, ref in ref_grads.items():
             start, g = grads[name]
             if g.numel():
-                _close(g, ref[start : start + g.shape[0]], f"accumulated grad {name} rank {rank}")
+                assert_close_rel(g, ref[start : start + g.shape[0]], f"accumulated grad {name} rank {rank}")

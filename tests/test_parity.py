@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from mfsdp2 import FSDPModule, compat, fully_shard
 
 from ._dist import run_ranks
-from .models import build, make_opt, reference_run, sharded_train_step
+from .models import assert_close_rel, build, make_opt, reference_run, sharded_train_step
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -28,13 +28,6 @@ def _train(rank, ws, kind, opt_kind, wrap):
     losses = [sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH) for step in range(STEPS)]
     full = {k: p.full_tensor() for k, p in model.named_parameters()}
     return losses, full
-
-
-def _assert_close_rel(a: torch.Tensor, b: torch.Tensor, name: str, rel: float = 1e-5):
-    assert a.shape == b.shape, (name, a.shape, b.shape)
-    scale = max(b.abs().max().item(), 1e-3)
-    err = (a - b).abs().max().item()
-    assert err <= rel * scale, f"{name}: max err {err:.3e} > {rel:.0e} * {scale:.3e}"
 
 
 CASES = [
@@ -61,7 +54,7 @@ def test_parity_with_unsharded_reference(ws, kind, opt_kind, wrap):
             assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} vs reference {b}"
         assert set(full) == set(ref_params)
         for name, ref in ref_params.items():
-            _assert_close_rel(full[name], ref, f"rank {rank} {name}")
+            assert_close_rel(full[name], ref, f"rank {rank} {name}")
     # The reference must actually have moved, or the comparison proves nothing.
     assert ref_losses[-1] < ref_losses[0]
 
@@ -107,7 +100,7 @@ def test_llama_tiny_parity():
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
     for name, ref in ref_params.items():
-        _assert_close_rel(full[name], ref, name)
+        assert_close_rel(full[name], ref, name)
     assert ref_losses[-1] < ref_losses[0]
 
 
@@ -148,7 +141,7 @@ def test_reshard_after_forward_int_gathers_inside_rank_blocks():
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
             assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: {a} vs {b}"
         for name, ref in ref_params.items():
-            _assert_close_rel(full[name], ref, f"rank {rank} {name}")
+            assert_close_rel(full[name], ref, f"rank {rank} {name}")
         # Last step: root + blocks gathered over all 4 ranks in forward; blocks re-gathered in
         # backward inside their block of 2 ranks only.
         assert sizes == [2] * n_blocks + [4] * (n_blocks + 1), sizes

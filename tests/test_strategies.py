@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from mfsdp2 import MixedPrecisionPolicy, compat, fully_shard
 
 from ._dist import run_ranks
-from .models import batch, build, local_grad_rows, loss_fn, make_opt, reference_run, sharded_train_step
+from .models import assert_close_rel, batch, build, local_grad_rows, loss_fn, make_opt, reference_run, sharded_train_step
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 STEPS = 6
@@ -90,15 +90,6 @@ def _strategies_run(rank, ws, kind):
     return results
 
 
-def _assert_close_rel(a, b, name, rel=1e-5):
-    assert a.shape == b.shape, (name, a.shape, b.shape)
-    if b.numel() == 0:
-        return
-    scale = max(b.abs().max().item(), 1e-3)
-    err = (a - b).abs().max().item()
-    assert err <= rel * scale, f"{name}: max err {err:.3e} > {rel:.0e} * {scale:.3e}"
-
-
 @pytest.mark.parametrize(
     "ws,kind", [(2, "net"), pytest.param(4, "net", marks=pytest.mark.slow), pytest.param(4, "tiny", marks=pytest.mark.slow)]
 )
@@ -112,7 +103,7 @@ def test_strategies_match_reference_and_zero_memory_formulas(ws, kind):
             for step, (a, b) in enumerate(zip(losses, ref_losses)):
                 assert abs(a - b) <= 1e-5 * abs(b), f"{where} step {step}: loss {a} vs reference {b}"
             for name, ref in ref_params.items():
-                _assert_close_rel(full[name], ref, f"{where} {name}")
+                assert_close_rel(full[name], ref, f"{where} {name}")
             # Bytes owned per rank: the ZeRO formula on the padded element counts, exactly ...
             P, S = layout["P"], layout["S"]
             params = stats["model_weight_bytes"] + stats["main_weight_bytes"]
@@ -240,7 +231,7 @@ def test_bf16_compute_fp32_main_weights_match_same_cast_reference():
             for step, (a, b) in enumerate(zip(losses, ref_losses)):
                 assert abs(a - b) <= 1e-4 * abs(b), f"{strategy} step {step}: {a} vs {b}"
             for name, ref in ref_params.items():
-                _assert_close_rel(full[name], ref, f"{strategy} {name}", rel=1e-4)
+                assert_close_rel(full[name], ref, f"{strategy} {name}", rel=1e-4)
     # The comparison is sharp enough to see bf16: the same-cast reference differs from fp32.
     assert max(abs(a - b) / abs(b) for a, b in zip(ref_losses, fp32_losses)) > 1e-4
 
@@ -281,7 +272,7 @@ def test_gradient_divide_factor_sum_and_custom(mesh_shape, strategy):
             scale = 1.0 if factor is None else ws / factor
             for name, (start, g) in grads.items():
                 expect = ref[name][start : start + g.shape[0]] * scale
-                _assert_close_rel(g, expect, f"factor {factor} {name}")
+                assert_close_rel(g, expect, f"factor {factor} {name}")
 
 
 # -- checkpoints -------------------------------------------------------------------------------
@@ -336,7 +327,7 @@ def test_checkpoint_round_trip_for_every_strategy(tmp_path):
             assert saved.keys() == after.keys() == ref_after.keys()
             for k in saved:
                 # Zeroed after the save, loaded back, one more step: exactly the uninterrupted run.
-                _assert_close_rel(after[k], ref_after[k], f"{strategy} {k} after save / zero / load / step")
+                assert_close_rel(after[k], ref_after[k], f"{strategy} {k} after save / zero / load / step")
 
 
 # -- gradient accumulation without sync --------------------------------------------------------
@@ -366,4 +357,4 @@ def test_accumulation_without_sync_for_every_strategy():
     for per_strategy in run_ranks(_no_sync_run, 2):
         for strategy, grads in per_strategy.items():
             for name, (start, g) in grads.items():
-                _assert_close_rel(g, ref[name][start : start + g.shape[0]], f"{strategy} {name}")
+                assert_close_rel(g, ref[name][start : start + g.shape[0]], f"{strategy} {name}")

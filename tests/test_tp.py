@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from mfsdp2 import fully_shard
 
 from ._dist import run_ranks
-from .models import batch, build, loss_fn, make_opt, reference_run
+from .models import assert_close_rel, batch, build, loss_fn, make_opt, reference_run
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -71,13 +71,6 @@ def _dp_tp(rank, ws, path, strategy):
     return losses, full, shapes, plain, reloaded, from_plain
 
 
-def _close(a, b, name, rel=1e-5):
-    assert a.shape == b.shape, (name, a.shape, b.shape)
-    scale = max(b.abs().max().item(), 1e-3)
-    err = (a - b).abs().max().item()
-    assert err <= rel * scale, f"{name}: max err {err:.3e} > {rel:.0e} * {scale:.3e}"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
 def test_dp_x_tp_2x2_matches_reference_with_correct_state_dicts(tmp_path, strategy):
@@ -88,8 +81,8 @@ def test_dp_x_tp_2x2_matches_reference_with_correct_state_dicts(tmp_path, strate
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
             assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: {a} vs {b}"
         for name, ref in ref_params.items():
-            _close(full[name], ref, f"rank {rank} {name}")
+            assert_close_rel(full[name], ref, f"rank {rank} {name}")
             assert shapes[name] == tuple(ref.shape), (name, shapes[name])  # global, not TP-local
-            _close(plain[name], ref, f"checkpoint {name}")
-            _close(reloaded[name], ref, f"reloaded {name}")
-            _close(from_plain[name], ref, f"loaded from full tensors {name}")
+            assert_close_rel(plain[name], ref, f"checkpoint {name}")
+            assert_close_rel(reloaded[name], ref, f"reloaded {name}")
+            assert_close_rel(from_plain[name], ref, f"loaded from full tensors {name}")
