@@ -658,6 +658,28 @@ def wait_until_quiet(max_wait_s: float, threshold: float = 0.15, window_s: float
         time.sleep(5.0)
 
 
+
+def run_cases(rank: int, ws: int, specs: list[dict], run_case: Callable, label_key: str) -> list[dict]:
+    """The rank body of the side-by-side benchmarks: one CollectiveCounter installed before any
+    model is built, then ``run_case(rank, ws, spec, counter)`` per spec, each optionally after
+    waiting (on rank 0, the others in a barrier) for the machine to be quiet."""
+    counter = CollectiveCounter().install()
+    out = []
+    for spec in specs:
+        if spec.get("wait_quiet", 0) > 0:
+            if rank == 0:
+                f = wait_until_quiet(spec["wait_quiet"])
+                if f >= 0.15:
+                    print(f"  warning: other processes use {f:.0%} of the CPUs; timings will be noisy", flush=True)
+            dist.barrier()
+        t0 = time.time()
+        out.append(run_case(rank, ws, spec, counter))
+        out[-1]["case_wall_s"] = time.time() - t0
+        if rank == 0:
+            ph = ", ".join(f"{k} {v:.0f}s" for k, v in out[-1]["phase_s"].items())
+            print(f"  [{spec['model']}/{spec[label_key]}] done in {out[-1]['case_wall_s']:.0f}s ({ph})", flush=True)
+    return out
+
 # --------------------------------------------------------------------------------------------
 # statistics and reporting
 # --------------------------------------------------------------------------------------------

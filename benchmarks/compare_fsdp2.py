@@ -303,22 +303,7 @@ def run_case(rank: int, ws: int, spec: dict, counter: C.CollectiveCounter) -> di
 
 
 def worker(rank: int, ws: int, specs: list[dict]) -> list[dict]:
-    counter = C.CollectiveCounter().install()  # before any model is built
-    out = []
-    for spec in specs:
-        if spec.get("wait_quiet", 0) > 0:
-            if rank == 0:
-                f = C.wait_until_quiet(spec["wait_quiet"])
-                if f >= 0.15:
-                    print(f"  warning: other processes use {f:.0%} of the CPUs; timings will be noisy", flush=True)
-            dist.barrier()
-        t0 = time.time()
-        out.append(run_case(rank, ws, spec, counter))
-        out[-1]["case_wall_s"] = time.time() - t0
-        if rank == 0:
-            ph = ", ".join(f"{k} {v:.0f}s" for k, v in out[-1]["phase_s"].items())
-            print(f"  [{spec['model']}/{spec['config']}] done in {out[-1]['case_wall_s']:.0f}s ({ph})", flush=True)
-    return out
+    return C.run_cases(rank, ws, specs, run_case, "config")
 
 
 # --------------------------------------------------------------------------------------------

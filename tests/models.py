@@ -84,13 +84,18 @@ def reference_run(kind: str, opt_kind: str, steps: int, global_batch: int):
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def sharded_train_step(model, opt, step: int, rank: int, ws: int, global_batch: int) -> float:
-    """One step on this rank's slice of the global batch; returns the mean loss over ranks."""
+def sharded_train_step(model, opt, step: int, rank: int, ws: int, global_batch: int, dp: tuple[int, int] | None = None) -> float:
+    """One step on this rank's slice of the global batch; returns the mean loss over ranks.
+
+    ``dp = (dp_rank, dp_size)`` slices by the data-parallel coordinate instead of the rank (ranks
+    of one tensor-parallel group see the same slice). Low-precision outputs are upcast for the loss.
+    """
     import torch.distributed as dist
 
-    n = global_batch // ws
+    dp_rank, dp_size = dp if dp is not None else (rank, ws)
+    n = global_batch // dp_size
     x, y = batch(step, global_batch, model.inp.in_features)
-    loss = loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
+    loss = loss_fn(model(x[dp_rank * n : (dp_rank + 1) * n]).float(), y[dp_rank * n : (dp_rank + 1) * n])
     loss.backward()
     opt.step()
     opt.zero_grad()

@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dsd
 import torch.nn as nn
@@ -24,7 +23,7 @@ from mfsdp2 import state_dict as msd
 from mfsdp2.state_dict import StateDictOptions, tensors_by_path
 
 from ._dist import run_ranks
-from .models import Net, batch, build, loss_fn, make_opt
+from .models import Net, batch, build, make_opt, sharded_train_step
 
 FULL = StateDictOptions(full_state_dict=True)
 GLOBAL_BATCH = 8
@@ -46,18 +45,7 @@ def _sharded(kind, ws, seed=0, mp=MixedPrecisionPolicy(), fsdp2=False):
 
 def _train(model, opt, steps, start, rank, ws):
     """Data-parallel steps on the global batch; returns the global losses (all ranks agree)."""
-    n = GLOBAL_BATCH // ws
-    losses = []
-    for step in range(start, start + steps):
-        x, y = batch(step, GLOBAL_BATCH, model.inp.in_features)
-        loss = loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / ws)
-    return losses
+    return [sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH) for step in range(start, start + steps)]
 
 
 def _full(model, opt, torch_dsd=False):

@@ -203,21 +203,11 @@ def _bf16_run(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     out = {}
-    n = GLOBAL_BATCH // ws
     for strategy in STRATEGIES:
         model = _wrap(build("net"), mesh, strategy, mp_policy=mp)
         assert all(g.main_weight.dtype == torch.float32 and g.weights.dtype == torch.bfloat16 for g in _groups(model))
         opt = make_opt("adamw", model.parameters())
-        losses = []
-        for step in range(STEPS):
-            x, y = batch(step, GLOBAL_BATCH, 12)
-            loss = loss_fn(model(x[rank * n : (rank + 1) * n]).float(), y[rank * n : (rank + 1) * n])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t = loss.detach().clone()
-            dist.all_reduce(t)
-            losses.append(t.item() / ws)
+        losses = [sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH) for step in range(STEPS)]
         out[strategy] = (losses, {k: p.full_tensor() for k, p in model.named_parameters()})
     return out
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -16,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from mfsdp2 import fully_shard
 
 from ._dist import run_ranks
-from .models import assert_close_rel, batch, build, loss_fn, make_opt, reference_run
+from .models import assert_close_rel, build, make_opt, reference_run, sharded_train_step
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -39,17 +38,7 @@ def _dp_tp(rank, ws, path, strategy):
     assert isinstance(w, DTensor) and w.shape == (40, 16), (w.shape, w.placements)
     assert w.placements[0] == Shard(0), w.placements  # the TP placement comes first: (tp, dp) mesh
     opt = make_opt("adamw", model.parameters())
-    n = GLOBAL_BATCH // 2
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step, GLOBAL_BATCH, 12)
-        loss = loss_fn(model(x[dp_rank * n : (dp_rank + 1) * n]), y[dp_rank * n : (dp_rank + 1) * n])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / ws)
+    losses = [sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH, dp=(dp_rank, 2)) for step in range(STEPS)]
     full = {k: p.full_tensor() for k, p in model.named_parameters()}
 
     sd = model.state_dict()
