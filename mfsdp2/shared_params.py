@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Replicate
 
 if TYPE_CHECKING:
     from .param_group import ParamInfo, ParameterGroup
@@ -89,14 +90,24 @@ def _rebuild_without(state: "FSDPState", g: "ParameterGroup", idx: int) -> None:
         return
     params = []
     for j in keep:
-        dp = g.dist_params[j]
-        value = torch.empty(dp.shape, dtype=g.orig_dtype, device="meta") if g.needs_init else dp.full_tensor().to(g.orig_dtype)
+        dp, spec = g.dist_params[j], g.tp_specs[j]
+        # The group shards TP-local tensors: a tensor-parallel parameter is gathered over the
+        # data-parallel dimension only (its layout slot has the local shape), keeping its TP spec.
+        if g.needs_init:
+            value = torch.empty(g.layout.slots[j].shape, dtype=g.orig_dtype, device="meta")
+        elif spec is not None:
+            value = dp.redistribute(dp.device_mesh, spec.placements + (Replicate(),)).to_local().to(g.orig_dtype)
+        else:
+            value = dp.full_tensor().to(g.orig_dtype)
         p = nn.Parameter(value, requires_grad=g.requires_grad)
         for k, v in dp.__dict__.items():
             if not k.startswith("_mfsdp2"):
                 setattr(p, k, v)
         params.append(p)
-    new = ParameterGroup(g.unit_name, [g.infos[j] for j in keep], params, g.mesh, g.comm, g.device, state.mp, g.config)
+    new = ParameterGroup(
+        g.unit_name, [g.infos[j] for j in keep], params, g.mesh, g.comm, g.device, state.mp, g.config,
+        tp_specs=[g.tp_specs[j] for j in keep],
+    )
     for j, dp in zip(keep, new.dist_params):
         dp._mfsdp2_original = getattr(g.dist_params[j], "_mfsdp2_original", None)
         orig = _original(dp)

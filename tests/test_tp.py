@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -15,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from mfsdp2 import fully_shard
 
 from ._dist import run_ranks
-from .models import assert_close_rel, build, make_opt, reference_run, sharded_train_step
+from .models import Net, assert_close_rel, batch, build, loss_fn, make_opt, reference_run, sharded_train_step
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -75,3 +77,74 @@ def test_dp_x_tp_2x2_matches_reference_with_correct_state_dicts(tmp_path, strate
             assert_close_rel(plain[name], ref, f"checkpoint {name}")
             assert_close_rel(reloaded[name], ref, f"reloaded {name}")
             assert_close_rel(from_plain[name], ref, f"loaded from full tensors {name}")
+
+
+class _TiedNet(Net):
+    """Net plus a root-level projection whose weight is ``blocks[0].fc1.weight``: the root takes
+    the tied weight over from block 0's unit, whose group is rebuilt around its other TP weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 40)
+        self.back = nn.Linear(40, 16)
+        self.proj.weight = self.blocks[0].fc1.weight
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        h = h + self.back(F.gelu(self.proj(h)))
+        return self.head(h)
+
+
+def _tied_model(tp_mesh=None, dp_mesh=None):
+    torch.manual_seed(0)
+    model = _TiedNet()
+    if tp_mesh is None:
+        return model
+    for b in model.blocks:
+        parallelize_module(b, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    parallelize_module(model, tp_mesh, {"proj": ColwiseParallel(), "back": RowwiseParallel()})
+    model.proj.weight = model.blocks[0].fc1.weight  # re-tie after TP (as with tied embeddings)
+    for b in model.blocks:
+        fully_shard(b, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _tied_reference():
+    torch.set_num_threads(1)
+    model = _tied_model()
+    opt = make_opt("adamw", model.parameters())
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, GLOBAL_BATCH, 12)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _tied_dp_tp(rank, ws):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _tied_model(mesh["tp"], mesh["dp"])
+    # Block 0's rebuilt group still holds tensor-parallel weights (fc2 rowwise: Shard(1) over TP).
+    w = model.blocks[0].fc2.weight
+    assert isinstance(w, DTensor) and w.shape == (16, 40) and w.placements[0] == Shard(1), (w.shape, w.placements)
+    assert model.proj.weight is model.blocks[0].fc1.weight
+    opt = make_opt("adamw", model.parameters())
+    losses = [sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH, dp=(mesh.get_local_rank(0), 2)) for step in range(STEPS)]
+    return losses, {k: p.full_tensor() for k, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_tied_weight_taken_over_from_a_tp_unit_keeps_its_other_tp_weights():
+    ref_losses, ref_params = _tied_reference()
+    for rank, (losses, full) in enumerate(run_ranks(_tied_dp_tp, 4)):
+        for step, (a, b) in enumerate(zip(losses, ref_losses)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: {a} vs {b}"
+        assert set(full) == set(ref_params)
+        for name, ref in ref_params.items():
+            assert_close_rel(full[name], ref, f"rank {rank} {name}")
