@@ -106,15 +106,21 @@ class RowShard(Shard):
         return Shard(new_shard_dim)._replicate_to_shard(full, mesh, mesh_dim, coord[mesh_dim])
 
 
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (what ``DTensor.from_local`` needs with a
+    global shape)."""
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(stride))
+
+
 def row_sharded_dtensor(
     local: torch.Tensor, mesh: DeviceMesh, rows: Sequence[int], global_shape: Sequence[int]
 ) -> DTensor:
-    """Wrap ``local`` (this rank's rows; kept as is, no copy) as a row-sharded DTensor."""
-    shape = torch.Size(global_shape)
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(
-        local, mesh, [RowShard(0, rows)], run_check=False, shape=shape, stride=stride
-    )
+    """Wrap ``local`` (this rank's rows; kept as is, no copy) as a row-sharded DTensor on a 1-D mesh."""
+    return data_parallel_dtensor(local, mesh, rows, global_shape, 0)
 
 
 def data_parallel_dtensor(
@@ -128,8 +134,7 @@ def data_parallel_dtensor(
     ``shard_dim`` and ``Replicate()`` on the others (HSDP's replicate dimension; every dimension
     for ``no_shard``, whose ``local`` is the whole parameter)."""
     shape = torch.Size(global_shape)
-    stride = torch.empty(shape, device="meta").stride()
     placements = [Replicate()] * mesh.ndim
     if shard_dim is not None:
         placements[shard_dim] = RowShard(0, rows)
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))

@@ -28,6 +28,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from .placement import contiguous_stride
+
 __all__ = ["TPSpec", "tp_spec_of", "tp_dp_mesh", "tp_dtensor", "local_grad"]
 
 _meshes: dict = {}
@@ -42,7 +44,7 @@ class TPSpec:
     shape: torch.Size
 
     def stride(self) -> tuple:
-        return torch.empty(self.shape, device="meta").stride()
+        return contiguous_stride(self.shape)
 
 
 def tp_spec_of(p: DTensor, dp_mesh: DeviceMesh, fqn: str, where: str) -> TPSpec:
