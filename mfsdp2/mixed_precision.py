@@ -25,7 +25,9 @@ class MixedPrecisionPolicy:
     """``None`` means "the parameter's own dtype" for compute/reduce/output fields.
 
     ``main_params_dtype`` / ``main_grads_dtype`` default to fp32 for floating-point parameters
-    that require grad (frozen parameters keep their own dtype: no optimizer reads them).
+    that require grad (frozen parameters keep their own dtype: no optimizer reads them). They are
+    a floor, never a downcast: a float64 parameter keeps float64 main weights and gradients (as
+    FSDP2 keeps a float64 model in float64), so an exactness check in float64 stays exact.
     ``main_params_dtype=None`` keeps each parameter's own dtype for its optimizer copy, and the
     main gradient follows it: torch optimizers need a gradient in its parameter's dtype, so the two
     main dtypes can only differ by being left to follow each other.
@@ -68,14 +70,21 @@ class MixedPrecisionPolicy:
 
     def main_dtype(self, orig: torch.dtype, requires_grad: bool) -> torch.dtype:
         if requires_grad and orig.is_floating_point and self.main_params_dtype is not None:
-            return self.main_params_dtype
+            return _wider(self.main_params_dtype, orig)
         return orig
 
     def grad_dtype(self, orig: torch.dtype, requires_grad: bool = True) -> torch.dtype:
         """The main gradient's dtype: the main weights' (see the class docstring)."""
         if self.main_params_dtype is None:
             return self.main_dtype(orig, requires_grad)
-        return self.main_grads_dtype if self.main_grads_dtype is not None else self.main_dtype(orig, requires_grad)
+        if self.main_grads_dtype is None or not (requires_grad and orig.is_floating_point):
+            return self.main_dtype(orig, requires_grad)
+        return _wider(self.main_grads_dtype, orig)
 
     def wire_reduce_dtype(self, compute: torch.dtype) -> torch.dtype:
         return self.reduce_dtype if self.reduce_dtype is not None else compute
+
+
+def _wider(main: torch.dtype, orig: torch.dtype) -> torch.dtype:
+    """``main`` unless ``orig`` has more bits (float64 parameters under the fp32 default)."""
+    return orig if torch.finfo(orig).bits > torch.finfo(main).bits else main

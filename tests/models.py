@@ -95,7 +95,8 @@ def sharded_train_step(model, opt, step: int, rank: int, ws: int, global_batch: 
     dp_rank, dp_size = dp if dp is not None else (rank, ws)
     n = global_batch // dp_size
     x, y = batch(step, global_batch, model.inp.in_features)
-    loss = loss_fn(model(x[dp_rank * n : (dp_rank + 1) * n]).float(), y[dp_rank * n : (dp_rank + 1) * n])
+    out = model(x[dp_rank * n : (dp_rank + 1) * n])
+    loss = loss_fn(out if out.dtype == torch.float64 else out.float(), y[dp_rank * n : (dp_rank + 1) * n])
     loss.backward()
     opt.step()
     opt.zero_grad()
