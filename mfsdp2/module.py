@@ -179,6 +179,10 @@ class FSDPModule:
         return state.ctx.allocator
 
 
+_EAGER_PRE_FORWARD = torch._dynamo.disable(pre_forward, recursive=True)
+_EAGER_POST_FORWARD = torch._dynamo.disable(post_forward, recursive=True)
+
+
 def _state_of(m) -> FSDPState:
     if not isinstance(m, FSDPModule):
         raise TypeError(f"{type(m).__name__} is not an FSDP module: call fully_shard on it first")
@@ -364,8 +368,12 @@ def fully_shard(
         _class_cache[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     module.__class__ = _class_cache[cls]
     module._mfsdp2_state = state
-    module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(post_forward, always_call=False, with_kwargs=True)
+    # The hooks run eagerly even inside a compiled module (``block.compile()`` compiles
+    # ``_call_impl``, hooks included): they issue collectives, swap parameters and read host
+    # state (graph-task ids, version counters) that dynamo cannot trace. FSDP2's hooks are
+    # skipped by dynamo the same way; the module's own forward is still compiled.
+    module.register_forward_pre_hook(_EAGER_PRE_FORWARD, prepend=True, with_kwargs=True)
+    module.register_forward_hook(_EAGER_POST_FORWARD, always_call=False, with_kwargs=True)
     logger.debug("mfsdp2: %s -> %d groups: %s", name, len(groups), [g.layout.describe() for g in groups])
     from .state_dict import register_state_dict_hooks  # imported here: no import cycle at package load
 

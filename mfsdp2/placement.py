@@ -68,6 +68,19 @@ class RowShard(Shard):
     def __repr__(self) -> str:
         return f"RowShard(dim={self.dim}, rows={self.rows})"
 
+    # ``Shard`` is a C++ (pybind) class whose pickled state is ``dim`` alone, so a copy made
+    # through it loses ``rows`` (dynamo deep-copies the placements it guards on, and the guard
+    # then fails on its own frame). RowShard is immutable: copies are the object itself, and
+    # pickling rebuilds it from both fields.
+    def __reduce__(self):
+        return (RowShard, (self.dim, self.rows))
+
+    def __copy__(self) -> "RowShard":
+        return self
+
+    def __deepcopy__(self, memo) -> "RowShard":
+        return self
+
     def __str__(self) -> str:
         return f"RS({self.dim})"
 
