@@ -56,6 +56,9 @@ class AllocatorStats:
     # Per role (the first element of a tuple key, e.g. "weight", "grad"): live and peak counts.
     live_by_role: dict = field(default_factory=dict)
     peak_by_role: dict = field(default_factory=dict)
+    # Buffers dropped without reuse because a collective using them may still run (see leak).
+    leaked_buffers: int = 0
+    leaked_bytes: int = 0
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
@@ -79,6 +82,8 @@ class BucketAllocator:
     def __init__(self) -> None:
         self.stats = AllocatorStats()
         self._live: dict[Hashable, torch.Tensor] = {}
+        self._leaked: list[torch.Tensor] = []  # referenced for the process's life, never reused
+        self._warned: set = set()
 
     def _obtain(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         raise TypeError(f"{type(self).__name__} must implement _obtain")
@@ -98,6 +103,30 @@ class BucketAllocator:
         t = self._live.pop(key)
         self.stats._add(key, t.numel() * t.element_size(), -1)
         self._release(key, t)
+
+    def leak(self, key: Hashable, why: str = "") -> None:
+        """Drop ``key``'s record without giving its memory back: a collective that failed (timed
+        out, lost a peer) may still write it from the backend's thread, and a block handed out
+        again would be corrupted by that late write -- or, on a pool, corrupt its new owner.
+        The tensor stays referenced (and a pool slot stays occupied) for the process's life;
+        counted in ``stats.leaked_buffers`` / ``leaked_bytes``, one warning per key."""
+        t = self._live.pop(key)
+        nbytes = t.numel() * t.element_size()
+        self.stats._add(key, nbytes, -1)
+        self.stats.leaked_buffers += 1
+        self.stats.leaked_bytes += nbytes
+        self._leaked.append(t)
+        self._forget(key, t)
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(
+                "mfsdp2: buffer %r (%d bytes) is leaked, not reused: %s. Its collective may still write it; "
+                "the memory is lost until the process exits (restart the job if this repeats)",
+                key, nbytes, why or "a collective using it did not provably finish",
+            )
+
+    def _forget(self, key: Hashable, tensor: torch.Tensor) -> None:
+        """Subclasses: drop ``key`` from their own bookkeeping without making its memory reusable."""
 
     def mark_step(self, tag: Hashable = None) -> None:
         """A step (the root's forward and what follows it) begins; ``tag`` says what kind

@@ -78,7 +78,7 @@ def unshard_async(state: FSDPState) -> None:
             label = f"all-gather of unit {state.name!r} ({g.name}, step {step})"
             h = g.unshard_from_group(state.post_forward_comm, alloc, key, label) if partial else g.unshard(alloc, key, label)
             if h is not None:  # None: persistent weights, already current on every rank
-                state.pending_unshard.append(h)
+                state.pending_unshard.append((g, h))
         state.shard_state = ShardState.UNSHARDING
 
 
@@ -86,7 +86,7 @@ def wait_unshard(state: FSDPState) -> None:
     if state.shard_state is not ShardState.UNSHARDING:
         return
     with trace_range(f"mfsdp2.wait_unshard {state.name}"):
-        for h in state.pending_unshard:
+        for _, h in state.pending_unshard:
             h.wait()
         state.pending_unshard = []
         for g in state.groups:
@@ -106,7 +106,7 @@ def reshard(state: FSDPState, to_group: bool = False) -> None:
             state.shard_state = ShardState.SHARDED
         return
     with trace_range(f"mfsdp2.reshard {state.name}"):
-        for h in state.pending_unshard:  # never free memory a collective is still writing
+        for _, h in state.pending_unshard:  # never free memory a collective is still writing
             h.wait()
         state.pending_unshard = []
         for g in state.groups:
@@ -429,10 +429,15 @@ def _final_callback(ctx: RootContext) -> None:
 def reset(ctx: RootContext) -> None:
     """Return every unit under the root to a clean sharded state after an exception in forward or
     backward, so training can continue: in-flight collectives are waited for (never freed under),
-    this step's partial gradients are dropped, the pass in progress is forgotten."""
+    this step's partial gradients are dropped, the pass in progress is forgotten. A collective
+    that failed and may still run has its buffers leaked instead (see ``CommHandle.settle``)."""
     for s in ctx.states:
         for g in s.groups:
             g.abort(ctx.allocator)
+        for g, h in s.pending_unshard:
+            if not h.settle():
+                g.abandon_gather(f"the {h.label or 'all-gather'} failed and may still be running")
+        s.pending_unshard = []
         reshard(s)
         s.training_state = TrainingState.IDLE
         s.forward_with_grad = False

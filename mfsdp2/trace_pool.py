@@ -212,6 +212,19 @@ class TracePoolAllocator(BucketAllocator):
         else:
             del src.live[key]
 
+    def _forget(self, key: Hashable, tensor: torch.Tensor) -> None:
+        # A leaked block keeps its pool bytes: it stays in ``live`` under a key of its own, so no
+        # slot overlapping it is ever handed out again (step id -1: not a planner error).
+        src = self._source.pop(key)
+        if src is None:
+            self.fallback._warned.add(key)  # this allocator warns
+            self.fallback.leak(key)
+        else:
+            lo, hi, _ = src.live.pop(key)
+            src.live[("leaked", key, len(self._leaked))] = (lo, hi, -1)
+        if self._plan is not None and not self._diverged:
+            self._note_divergence(f"{key!r} was leaked")
+
     def cached_bytes(self) -> int:
         """Bytes held for reuse: the pools plus what the fallback caches."""
         fb = self.fallback.cached_bytes() if hasattr(self.fallback, "cached_bytes") else 0
