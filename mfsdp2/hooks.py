@@ -407,8 +407,9 @@ def _final_callback(ctx: RootContext) -> None:
                     g.requires_grad and g.has_unsharded_grads() for g in s.groups
                 ):
                     post_backward(s)
-            _drain(ctx, keep=0)
-            _sync_grad_presence(ctx)
+            if ctx.root.is_last_backward:  # else (set_is_last_backward(False)) they stay in flight
+                _drain(ctx, keep=0)
+                _sync_grad_presence(ctx)
             for s in ctx.states:
                 if s.reshard_after_backward:
                     reshard(s)

@@ -109,7 +109,14 @@ class FSDPModule:
             s.reshard_after_forward = reshard_after_forward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        for s in self._units(True):
+        """Whether the next backward is the last before the optimizer step (FSDP2's meaning).
+        False: the final callback leaves the last reductions in flight -- they overlap the next
+        micro-batch's forward and finish at its backward -- and skips the end-of-backward
+        gradient-presence all-reduce, so ``.grad`` is not complete yet. True (default): every
+        reduction is finished and every gradient exposed. Like FSDP2's flag it is model-wide:
+        every rank must pass the same value."""
+        state = self._mfsdp2_state
+        for s in state.ctx.states if state.ctx is not None else self._units(True):
             s.is_last_backward = is_last_backward
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
