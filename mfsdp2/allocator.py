@@ -16,7 +16,7 @@ Three implementations, chosen with ``fully_shard(root, allocator=...)``:
 
 * ``"dynamic"`` (:class:`DynamicAllocator`): fresh memory per request, what torch FSDP2 does;
 * ``"caching"`` (:class:`CachingAllocator`, default): reuses freed blocks of the same size;
-* ``"trace_pool"`` (:class:`TracePoolAllocator`): records a step, plans offsets in one pool per
+* ``"trace_pool"`` (:class:`~mfsdp2.trace_pool.TracePoolAllocator`): records a step, plans offsets in one pool per
   (device, dtype) (:mod:`mfsdp2.pool_plan`) and serves the next steps from it.
 
 On CUDA no event bookkeeping is needed for reuse: the runtime frees a block in program order on
@@ -39,8 +39,6 @@ __all__ = [
     "BucketAllocator",
     "DynamicAllocator",
     "CachingAllocator",
-    "TracePoolAllocator",
-    "make_allocator",
 ]
 
 logger = logging.getLogger(__name__)
@@ -170,22 +168,3 @@ class CachingAllocator(BucketAllocator):
     def release_cached(self) -> None:
         """Drop the free blocks (live ones are untouched), e.g. once a pool has replaced them."""
         self._free.clear()
-
-
-def make_allocator(spec) -> BucketAllocator:
-    """``"caching"`` (default), ``"dynamic"``, ``"trace_pool"`` or a :class:`BucketAllocator` instance."""
-    if isinstance(spec, BucketAllocator):
-        return spec
-    if spec in (None, "caching"):
-        return CachingAllocator()
-    if spec == "dynamic":
-        return DynamicAllocator()
-    if spec == "trace_pool":
-        return TracePoolAllocator()
-    raise ValueError(
-        f"unknown allocator {spec!r}: use 'caching', 'dynamic', 'trace_pool' or a BucketAllocator instance"
-    )
-
-
-# The trace pool lives in its own module; imported last because it subclasses the classes above.
-from .trace_pool import TracePoolAllocator  # noqa: E402

@@ -40,8 +40,9 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .profiling import event_log, trace_range
+from .schedule import Schedule
 from .te import attach_main_grads
-from .state import FSDPState, RootContext, ShardState, TrainingState
+from .state import FSDPState, RootContext, ShardState, TrainingState, unit_state
 
 __all__ = ["pre_forward", "post_forward", "unshard_async", "wait_unshard", "reshard", "lazy_init", "reset"]
 
@@ -124,12 +125,10 @@ def lazy_init(state: FSDPState) -> None:
     """Make ``state`` the root of every unit in its subtree unless it is already under a root."""
     if state.ctx is not None:
         return
-    from .module import FSDPModule
-
     states = []
     for path, m in state.module.named_modules():
-        if isinstance(m, FSDPModule):
-            s = m._mfsdp2_state
+        s = unit_state(m)
+        if s is not None:
             s.name = path or "root"  # names in traces, allocator keys and errors
             for g in s.groups:
                 g.unit_name = s.name
@@ -153,7 +152,7 @@ def lazy_init(state: FSDPState) -> None:
                 f"mfsdp2: allocator={s.allocator_spec!r} was given to {s.name!r}, which is not the root; "
                 f"every unit under a root shares the root's allocator: pass it to fully_shard of the root ({state.name!r})"
             )
-    RootContext.create(state, states)
+    RootContext.create(state, states, Schedule(states))
 
 
 # -- forward ----------------------------------------------------------------------------------

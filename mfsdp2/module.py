@@ -25,6 +25,7 @@ from .mixed_precision import MixedPrecisionPolicy
 from .param_group import GroupConfig, ParameterGroup, ParamInfo
 from .shared_params import adopt_shared, mark_owned
 from .state import FSDPState
+from .state_dict import register_state_dict_hooks
 from .strategy import ShardingStrategy, Topology
 from .tensor_parallel import TPSpec, tp_spec_of
 
@@ -374,7 +375,5 @@ def fully_shard(
     module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(post_forward, always_call=False, with_kwargs=True)
     logger.debug("mfsdp2: %s -> %d groups: %s", name, len(groups), [g.layout.describe() for g in groups])
-    from .state_dict import register_state_dict_hooks  # imported here: no import cycle at package load
-
     register_state_dict_hooks(module)  # state_dict() from / load_state_dict() into the main weights
     return module

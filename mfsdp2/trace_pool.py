@@ -36,10 +36,10 @@ from typing import Hashable, Optional
 
 import torch
 
-from .allocator import BucketAllocator, CachingAllocator
+from .allocator import BucketAllocator, CachingAllocator, DynamicAllocator
 from .pool_plan import Interval, check_plan, plan_pool
 
-__all__ = ["TracePoolAllocator", "TraceStats"]
+__all__ = ["TracePoolAllocator", "TraceStats", "make_allocator"]
 
 logger = logging.getLogger(__name__)
 
@@ -229,3 +229,18 @@ class TracePoolAllocator(BucketAllocator):
         """Bytes held for reuse: the pools plus what the fallback caches."""
         fb = self.fallback.cached_bytes() if hasattr(self.fallback, "cached_bytes") else 0
         return self.trace_stats.pool_bytes + fb
+
+
+def make_allocator(spec) -> BucketAllocator:
+    """``"caching"`` (default), ``"dynamic"``, ``"trace_pool"`` or a :class:`BucketAllocator` instance."""
+    if isinstance(spec, BucketAllocator):
+        return spec
+    if spec in (None, "caching"):
+        return CachingAllocator()
+    if spec == "dynamic":
+        return DynamicAllocator()
+    if spec == "trace_pool":
+        return TracePoolAllocator()
+    raise ValueError(
+        f"unknown allocator {spec!r}: use 'caching', 'dynamic', 'trace_pool' or a BucketAllocator instance"
+    )
