@@ -12,6 +12,8 @@ setup(
     extras_require={
         "test": ["pytest", "hypothesis", "pytest-timeout", "safetensors", "transformers"],
         "hf": ["safetensors"],  # mfsdp2.checkpoint.hf imports it lazily
-        "te": ["transformer-engine"],
+        # TE >= 2: te.py relies on its main_grad protocol (lazy main_grad lookup,
+        # grad_added_to_main_grad / overwrite_main_grad); [pytorch] pulls the torch bindings.
+        "te": ["transformer-engine[pytorch]>=2.0"],
     },
 )

@@ -3,7 +3,7 @@
 See ``docs/design.md`` for the lifecycle, buffer layout, streams and allocator.
 """
 
-from .allocator import BucketAllocator, CachingAllocator, DynamicAllocator, TracePoolAllocator
+from .allocator import BucketAllocator, CachingAllocator, DynamicAllocator
 from .comm import CollectiveError, comm_stats, set_collective_checks, set_collective_timeout
 from .diagnostics import check_buffers, check_finite_grads, describe, grad_norms, weight_norms
 from .layout import BufferLayout, plan_layout
@@ -11,6 +11,7 @@ from .meta_init import materialize
 from .mixed_precision import MixedPrecisionPolicy
 from .module import FSDPModule, UnshardHandle, fully_shard
 from .placement import RowShard
+from .trace_pool import TracePoolAllocator
 
 __all__ = [
     "fully_shard",

@@ -16,7 +16,7 @@ Three implementations, chosen with ``fully_shard(root, allocator=...)``:
 
 * ``"dynamic"`` (:class:`DynamicAllocator`): fresh memory per request, what torch FSDP2 does;
 * ``"caching"`` (:class:`CachingAllocator`, default): reuses freed blocks of the same size;
-* ``"trace_pool"`` (:class:`TracePoolAllocator`): records a step, plans offsets in one pool per
+* ``"trace_pool"`` (:class:`~mfsdp2.trace_pool.TracePoolAllocator`): records a step, plans offsets in one pool per
   (device, dtype) (:mod:`mfsdp2.pool_plan`) and serves the next steps from it.
 
 On CUDA no event bookkeeping is needed for reuse: the runtime frees a block in program order on
@@ -39,8 +39,6 @@ __all__ = [
     "BucketAllocator",
     "DynamicAllocator",
     "CachingAllocator",
-    "TracePoolAllocator",
-    "make_allocator",
 ]
 
 logger = logging.getLogger(__name__)
@@ -56,6 +54,9 @@ class AllocatorStats:
     # Per role (the first element of a tuple key, e.g. "weight", "grad"): live and peak counts.
     live_by_role: dict = field(default_factory=dict)
     peak_by_role: dict = field(default_factory=dict)
+    # Buffers dropped without reuse because a collective using them may still run (see leak).
+    leaked_buffers: int = 0
+    leaked_bytes: int = 0
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
@@ -79,6 +80,8 @@ class BucketAllocator:
     def __init__(self) -> None:
         self.stats = AllocatorStats()
         self._live: dict[Hashable, torch.Tensor] = {}
+        self._leaked: list[torch.Tensor] = []  # referenced for the process's life, never reused
+        self._warned: set = set()
 
     def _obtain(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         raise TypeError(f"{type(self).__name__} must implement _obtain")
@@ -98,6 +101,30 @@ class BucketAllocator:
         t = self._live.pop(key)
         self.stats._add(key, t.numel() * t.element_size(), -1)
         self._release(key, t)
+
+    def leak(self, key: Hashable, why: str = "") -> None:
+        """Drop ``key``'s record without giving its memory back: a collective that failed (timed
+        out, lost a peer) may still write it from the backend's thread, and a block handed out
+        again would be corrupted by that late write -- or, on a pool, corrupt its new owner.
+        The tensor stays referenced (and a pool slot stays occupied) for the process's life;
+        counted in ``stats.leaked_buffers`` / ``leaked_bytes``, one warning per key."""
+        t = self._live.pop(key)
+        nbytes = t.numel() * t.element_size()
+        self.stats._add(key, nbytes, -1)
+        self.stats.leaked_buffers += 1
+        self.stats.leaked_bytes += nbytes
+        self._leaked.append(t)
+        self._forget(key, t)
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(
+                "mfsdp2: buffer %r (%d bytes) is leaked, not reused: %s. Its collective may still write it; "
+                "the memory is lost until the process exits (restart the job if this repeats)",
+                key, nbytes, why or "a collective using it did not provably finish",
+            )
+
+    def _forget(self, key: Hashable, tensor: torch.Tensor) -> None:
+        """Subclasses: drop ``key`` from their own bookkeeping without making its memory reusable."""
 
     def mark_step(self, tag: Hashable = None) -> None:
         """A step (the root's forward and what follows it) begins; ``tag`` says what kind
@@ -141,22 +168,3 @@ class CachingAllocator(BucketAllocator):
     def release_cached(self) -> None:
         """Drop the free blocks (live ones are untouched), e.g. once a pool has replaced them."""
         self._free.clear()
-
-
-def make_allocator(spec) -> BucketAllocator:
-    """``"caching"`` (default), ``"dynamic"``, ``"trace_pool"`` or a :class:`BucketAllocator` instance."""
-    if isinstance(spec, BucketAllocator):
-        return spec
-    if spec in (None, "caching"):
-        return CachingAllocator()
-    if spec == "dynamic":
-        return DynamicAllocator()
-    if spec == "trace_pool":
-        return TracePoolAllocator()
-    raise ValueError(
-        f"unknown allocator {spec!r}: use 'caching', 'dynamic', 'trace_pool' or a BucketAllocator instance"
-    )
-
-
-# The trace pool lives in its own module; imported last because it subclasses the classes above.
-from .trace_pool import TracePoolAllocator  # noqa: E402

@@ -29,6 +29,7 @@ reduce-scatter whose output aliases its input overwrites data it has not yet rea
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -38,6 +39,12 @@ from .comm import CommHandle, Communicator
 from .layout import BufferLayout
 
 __all__ = ["DataParallelBuffer"]
+
+logger = logging.getLogger(__name__)
+
+# Blocks taken without an allocator (before the root's first forward) whose gather did not
+# provably end: referenced for the process's life (see DataParallelBuffer.abandon_unsharded).
+_leaked_blocks: list = []
 
 
 class DataParallelBuffer:
@@ -76,6 +83,8 @@ class DataParallelBuffer:
         self._block: Optional[torch.Tensor] = None
         self._alloc = None
         self._key = None
+        # Set when a gather into the storage's own bytes did not provably end: never freed again.
+        self._pinned = False
         # Views are made while the storage has its full size (views of an empty storage fail the
         # bounds check); the owner frees it once it has wrapped them (see ParameterGroup).
         self._views = [self.param_view(self.unsharded, i) for i in range(len(layout.slots))]
@@ -154,7 +163,7 @@ class DataParallelBuffer:
         self._point_storage_at(block.data_ptr(), self._nbytes)
 
     def free_unsharded(self) -> None:
-        if self.persistent or not self.is_unsharded:
+        if self.persistent or not self.is_unsharded or self._pinned:
             return
         if not self._swap:
             self._storage.resize_(0)
@@ -164,6 +173,26 @@ class DataParallelBuffer:
         self._block, self._alloc, self._key = None, None, None
         if alloc is not None:
             alloc.free(key)
+
+    def abandon_unsharded(self, why: str) -> None:
+        """Like :meth:`free_unsharded`, for a gather that did not provably end (it failed and may
+        still write the block from gloo's thread): the block is leaked, never reused
+        (:meth:`~mfsdp2.allocator.BucketAllocator.leak`). Without storage swapping the storage
+        cannot be detached from its bytes, so it keeps them (``resize_(0)`` would free them
+        under the collective) and the next gather refills the same memory."""
+        if self.persistent or not self.is_unsharded:
+            return
+        if not self._swap or self._block is None:  # bytes owned by the storage itself: keep them
+            self._pinned = True
+            logger.warning("mfsdp2: %s: the unsharded storage keeps its %d bytes for good: %s", self._key, self._nbytes, why)
+            return
+        self._point_storage_at(0, 0)
+        block, alloc, key = self._block, self._alloc, self._key
+        self._block, self._alloc, self._key = None, None, None
+        if alloc is not None:
+            alloc.leak(key, why)
+        elif block is not None:
+            _leaked_blocks.append(block)
 
     # -- collectives --------------------------------------------------------------------------
     def all_gather(self, allocator=None, key=None, label: str = "") -> CommHandle:
@@ -199,7 +228,9 @@ class DataParallelBuffer:
             self._writer.view(N // k, k, S).copy_(staging.view(k, N // k, S).transpose(0, 1))
 
         h = sub.all_gather(staging, kept.reshape(-1), label)
-        return CommHandle(then=lambda: (h.wait(), place()), label=label)
+        # ``kept`` is referenced by nothing else once the caller dropped it: without ``keep`` its
+        # memory could be reused (on CUDA by the current stream) while the side stream reads it.
+        return CommHandle(inner=h, then=place, keep=(kept, staging), label=label)
 
     def reduce_scatter(
         self, full: torch.Tensor, out: torch.Tensor, op, scratch: Optional[torch.Tensor] = None, label: str = ""

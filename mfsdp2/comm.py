@@ -110,32 +110,95 @@ def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 class CommHandle:
     """A collective in flight. ``wait()`` is idempotent; ``then`` runs once after the wait
     (e.g. a copy-out that must not start before the collective is done). ``label`` names it in
-    errors ("all-gather of unit 'layers.3' (step 12)")."""
+    errors ("all-gather of unit 'layers.3' (step 12)").
 
-    __slots__ = ("_work", "_event", "_then", "label")
+    ``inner``: a handle this one completes (waited first; a copy-out wrapped around a collective).
+    ``keep``: tensors the collective reads or writes that nobody else may hold (a staging buffer,
+    the shards kept by a partial reshard); referencing them here keeps their memory from going
+    back to torch's allocator -- and on CUDA to the current stream's pool, ahead of the side
+    stream that still reads them -- until the wait has ordered the current stream after it.
 
-    def __init__(self, work=None, event=None, then=None, label: str = ""):
+    A wait that failed (timeout, dead peer) leaves the handle *failed*: the work stays referenced,
+    later waits raise the same error, and :meth:`settle` tells cleanup code whether the
+    collective has provably ended before it frees the buffers it uses."""
+
+    __slots__ = ("_work", "_event", "_then", "_inner", "_keep", "_error", "label")
+
+    def __init__(self, work=None, event=None, then=None, label: str = "", inner: "Optional[CommHandle]" = None, keep=None):
         self._work = work  # a torch Work, or a list of them (point-to-point exchanges)
         self._event = event
         self._then = then
+        self._inner = inner
+        self._keep = keep
+        self._error: Optional[CollectiveError] = None
         self.label = label
 
     def wait(self) -> None:
-        if self._work is not None:
-            works = self._work if isinstance(self._work, list) else [self._work]
-            self._work = None
-            for w in works:
-                _wait_work(w, self.label)
+        if self._error is not None:
+            raise CollectiveError(str(self._error)) from self._error
+        try:
+            if self._inner is not None:
+                self._inner.wait()
+                self._inner = None
+            if self._work is not None:
+                # Cleared only once every work finished: a failed wait must not make the next
+                # wait (or a cleanup) believe the collective is over.
+                for w in self._work if isinstance(self._work, list) else [self._work]:
+                    _wait_work(w, self.label)
+                self._work = None
+        except CollectiveError as e:
+            self._error = e
+            raise
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
             self._event = None
+        self._keep = None
         if self._then is not None:
             then, self._then = self._then, None
             then()
 
     @property
     def pending(self) -> bool:
-        return self._work is not None or self._event is not None or self._then is not None
+        return any(x is not None for x in (self._work, self._event, self._then, self._inner))
+
+    def settle(self) -> bool:
+        """For cleanup after an error: finish the collective if it can, never raise.
+
+        True: it provably ended (waited, or its failed work reports completion), so the buffers
+        it reads and writes may be freed. False: it may still be running on the backend's
+        threads; the caller must not free its buffers (leak them, see
+        :meth:`mfsdp2.allocator.BucketAllocator.leak`), and this handle -- with the works and
+        tensors it references -- is kept for the life of the process (:data:`unfinished`).
+        A failed collective's ``then`` (a copy-out of garbage) never runs."""
+        if self._error is None:
+            try:
+                self.wait()
+                return True
+            except CollectiveError:
+                pass
+        if self._ended():
+            return True
+        if self not in unfinished:
+            unfinished.append(self)
+        return False
+
+    def _ended(self) -> bool:
+        if self._inner is not None and not self._inner._ended():
+            return False
+        works = self._work if isinstance(self._work, list) else [self._work] if self._work is not None else []
+        return all(_is_completed(w) for w in works)
+
+
+# Handles whose collective failed and may still run (see CommHandle.settle): referenced forever so
+# that neither their works nor the tensors they keep are released while a backend thread uses them.
+unfinished: list[CommHandle] = []
+
+
+def _is_completed(work) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # a backend that cannot tell: not provably ended
+        return False
 
 
 def _wait_work(work, label: str) -> None:
@@ -350,4 +413,4 @@ class Communicator:
         )
         if not emulate_avg:
             return handle
-        return CommHandle(then=lambda: (handle.wait(), tensor.div_(n)), label=label)
+        return CommHandle(inner=handle, then=lambda: tensor.div_(n), label=label)

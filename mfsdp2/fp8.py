@@ -113,7 +113,7 @@ class Float8Gather:
                     w._writer[slot.offset : slot.offset + slot.numel].copy_(src.to(torch.float32).div_(self.scales[i]))
             self.bytes.free_unsharded()
 
-        return CommHandle(then=dequantise, label=label)
+        return CommHandle(then=dequantise, inner=h, label=label)  # inner: settle() sees the gather's work
 
 
 def agree_scales(groups: list["ParameterGroup"], amax: torch.Tensor, offset: int) -> int:

@@ -40,8 +40,9 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .profiling import event_log, trace_range
+from .schedule import Schedule
 from .te import attach_main_grads
-from .state import FSDPState, RootContext, ShardState, TrainingState
+from .state import FSDPState, RootContext, ShardState, TrainingState, unit_state
 
 __all__ = ["pre_forward", "post_forward", "unshard_async", "wait_unshard", "reshard", "lazy_init", "reset"]
 
@@ -78,7 +79,7 @@ def unshard_async(state: FSDPState) -> None:
             label = f"all-gather of unit {state.name!r} ({g.name}, step {step})"
             h = g.unshard_from_group(state.post_forward_comm, alloc, key, label) if partial else g.unshard(alloc, key, label)
             if h is not None:  # None: persistent weights, already current on every rank
-                state.pending_unshard.append(h)
+                state.pending_unshard.append((g, h))
         state.shard_state = ShardState.UNSHARDING
 
 
@@ -86,7 +87,7 @@ def wait_unshard(state: FSDPState) -> None:
     if state.shard_state is not ShardState.UNSHARDING:
         return
     with trace_range(f"mfsdp2.wait_unshard {state.name}"):
-        for h in state.pending_unshard:
+        for _, h in state.pending_unshard:
             h.wait()
         state.pending_unshard = []
         for g in state.groups:
@@ -106,7 +107,7 @@ def reshard(state: FSDPState, to_group: bool = False) -> None:
             state.shard_state = ShardState.SHARDED
         return
     with trace_range(f"mfsdp2.reshard {state.name}"):
-        for h in state.pending_unshard:  # never free memory a collective is still writing
+        for _, h in state.pending_unshard:  # never free memory a collective is still writing
             h.wait()
         state.pending_unshard = []
         for g in state.groups:
@@ -124,12 +125,10 @@ def lazy_init(state: FSDPState) -> None:
     """Make ``state`` the root of every unit in its subtree unless it is already under a root."""
     if state.ctx is not None:
         return
-    from .module import FSDPModule
-
     states = []
     for path, m in state.module.named_modules():
-        if isinstance(m, FSDPModule):
-            s = m._mfsdp2_state
+        s = unit_state(m)
+        if s is not None:
             s.name = path or "root"  # names in traces, allocator keys and errors
             for g in s.groups:
                 g.unit_name = s.name
@@ -153,7 +152,7 @@ def lazy_init(state: FSDPState) -> None:
                 f"mfsdp2: allocator={s.allocator_spec!r} was given to {s.name!r}, which is not the root; "
                 f"every unit under a root shares the root's allocator: pass it to fully_shard of the root ({state.name!r})"
             )
-    RootContext.create(state, states)
+    RootContext.create(state, states, Schedule(states))
 
 
 # -- forward ----------------------------------------------------------------------------------
@@ -407,8 +406,9 @@ def _final_callback(ctx: RootContext) -> None:
                     g.requires_grad and g.has_unsharded_grads() for g in s.groups
                 ):
                     post_backward(s)
-            _drain(ctx, keep=0)
-            _sync_grad_presence(ctx)
+            if ctx.root.is_last_backward:  # else (set_is_last_backward(False)) they stay in flight
+                _drain(ctx, keep=0)
+                _sync_grad_presence(ctx)
             for s in ctx.states:
                 if s.reshard_after_backward:
                     reshard(s)
@@ -429,10 +429,15 @@ def _final_callback(ctx: RootContext) -> None:
 def reset(ctx: RootContext) -> None:
     """Return every unit under the root to a clean sharded state after an exception in forward or
     backward, so training can continue: in-flight collectives are waited for (never freed under),
-    this step's partial gradients are dropped, the pass in progress is forgotten."""
+    this step's partial gradients are dropped, the pass in progress is forgotten. A collective
+    that failed and may still run has its buffers leaked instead (see ``CommHandle.settle``)."""
     for s in ctx.states:
         for g in s.groups:
             g.abort(ctx.allocator)
+        for g, h in s.pending_unshard:
+            if not h.settle():
+                g.abandon_gather(f"the {h.label or 'all-gather'} failed and may still be running")
+        s.pending_unshard = []
         reshard(s)
         s.training_state = TrainingState.IDLE
         s.forward_with_grad = False

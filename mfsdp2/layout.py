@@ -116,6 +116,14 @@ class BufferLayout:
     def piece(self, param_index: int, rank: int) -> ShardPiece:
         slot = self.slots[param_index]
         lo_b, hi_b = self.shard_range(rank)
+        if slot.numel == 0 and slot.num_rows:
+            # Rows of zero elements (shape (5, 0)): they take no bytes, but the row-sharded
+            # DTensor's per-rank row counts must still sum to the global dim 0. All of them go to
+            # the rank whose shard holds the slot's offset (the last rank for one at the very end).
+            owner = min(slot.offset // self.shard_numel, self.world_size - 1) if self.shard_numel else 0
+            row = 0 if rank <= owner else slot.num_rows
+            end = slot.num_rows if rank == owner else row
+            return ShardPiece(param_index, rank, row, end, max(min(slot.offset - lo_b, self.shard_numel), 0), 0)
         lo = min(max(slot.offset, lo_b), slot.offset + slot.numel)
         hi = max(min(slot.offset + slot.numel, hi_b), lo)
         if hi == lo or slot.row_numel == 0:

@@ -25,6 +25,7 @@ from .mixed_precision import MixedPrecisionPolicy
 from .param_group import GroupConfig, ParameterGroup, ParamInfo
 from .shared_params import adopt_shared, mark_owned
 from .state import FSDPState
+from .state_dict import register_state_dict_hooks
 from .strategy import ShardingStrategy, Topology
 from .tensor_parallel import TPSpec, tp_spec_of
 
@@ -109,7 +110,14 @@ class FSDPModule:
             s.reshard_after_forward = reshard_after_forward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        for s in self._units(True):
+        """Whether the next backward is the last before the optimizer step (FSDP2's meaning).
+        False: the final callback leaves the last reductions in flight -- they overlap the next
+        micro-batch's forward and finish at its backward -- and skips the end-of-backward
+        gradient-presence all-reduce, so ``.grad`` is not complete yet. True (default): every
+        reduction is finished and every gradient exposed. Like FSDP2's flag it is model-wide:
+        every rank must pass the same value."""
+        state = self._mfsdp2_state
+        for s in state.ctx.states if state.ctx is not None else self._units(True):
             s.is_last_backward = is_last_backward
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
@@ -375,7 +383,5 @@ def fully_shard(
     module.register_forward_pre_hook(_EAGER_PRE_FORWARD, prepend=True, with_kwargs=True)
     module.register_forward_hook(_EAGER_POST_FORWARD, always_call=False, with_kwargs=True)
     logger.debug("mfsdp2: %s -> %d groups: %s", name, len(groups), [g.layout.describe() for g in groups])
-    from .state_dict import register_state_dict_hooks  # imported here: no import cycle at package load
-
     register_state_dict_hooks(module)  # state_dict() from / load_state_dict() into the main weights
     return module

@@ -435,18 +435,44 @@ class ParameterGroup:
 
     def abort(self, allocator: BucketAllocator) -> None:
         """Drop this step's gradient work after an exception: wait for (never free under) an
-        in-flight reduction, discard it, and drop unsharded gradients."""
+        in-flight reduction, discard it, and drop unsharded gradients. A reduction that failed
+        and may still run (:meth:`CommHandle.settle`) gets its buffers leaked, not freed."""
         if self._pending_reduce is not None:
             p = self._pending_reduce
             self._pending_reduce = None
-            p.handle.wait()
-            self._free_reduce_buffers(allocator, p.key)
-            self._free_out(allocator, p)
+            if p.handle.settle():
+                self._free_reduce_buffers(allocator, p.key)
+                self._free_out(allocator, p)
+            else:
+                self._leak_reduce_buffers(allocator, p)
         if self.fused_full is not None:
             self.fused_full = None
             self._free_reduce_buffers(allocator, self.fused_key)
         for up in self.unsharded_params:
             up.grad = None
+
+    def _leak_reduce_buffers(self, allocator: BucketAllocator, p: _PendingReduce) -> None:
+        """Every buffer the unfinished reduction ``p`` may still read or write: its input, receive
+        scratch and output -- the main gradient itself when it reduced straight into it."""
+        why = f"the {p.handle.label or 'reduction'} failed and may still be running"
+        for role in ("grad", "rs_recv", "rs_out"):
+            if allocator.is_live((role, p.key)):
+                allocator.leak((role, p.key), why)
+        if p.direct or p.out is self.main_grad or p.out is self.main_grad_full:
+            if self.main_grad is not None and self._main_grad_alloc.is_live(self._main_grad_key()):
+                self._main_grad_alloc.leak(self._main_grad_key(), why)
+            self.main_grad = None
+            self.main_grad_full = None
+            self._main_grad_alloc = None
+            for dp in self.dist_params:
+                dp.grad = None
+
+    def abandon_gather(self, why: str) -> None:
+        """Reshard after a gather that did not provably end: its blocks are leaked, not freed."""
+        self.weights.abandon_unsharded(why)
+        if self.fp8 is not None:
+            self.fp8.bytes.abandon_unsharded(why)
+        self.kept = None
 
     @property
     def reduce_pending(self) -> bool:

@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING, Optional
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .allocator import BucketAllocator, make_allocator
+from .allocator import BucketAllocator
+from .trace_pool import make_allocator
 from .comm import Communicator
 from .mixed_precision import MixedPrecisionPolicy
 
 if TYPE_CHECKING:
     from .param_group import ParameterGroup
 
-__all__ = ["ShardState", "TrainingState", "FSDPState", "RootContext"]
+__all__ = ["ShardState", "TrainingState", "FSDPState", "RootContext", "unit_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,24 +91,33 @@ class FSDPState:
         return self.ctx is not None and self.ctx.root is self
 
 
+def unit_state(module: nn.Module) -> Optional[FSDPState]:
+    """The :class:`FSDPState` ``fully_shard`` attached to ``module``; None when it is not a unit.
+
+    ``fully_shard`` sets it together with the class swap to ``FSDPModule``, so this is the same
+    test as ``isinstance(module, FSDPModule)`` for files below ``module.py`` (hooks, checkpoints),
+    which must not import it."""
+    return module.__dict__.get("_mfsdp2_state")
+
+
 class RootContext:
     """State shared by all units under one root."""
 
-    def __init__(self, root: FSDPState, states: list[FSDPState], allocator: BucketAllocator):
-        from .schedule import Schedule  # here: schedule.py type-imports this module
-
+    def __init__(self, root: FSDPState, states: list[FSDPState], allocator: BucketAllocator, schedule):
         self.root = root
         self.states = states  # pre-order (root first), i.e. module registration order
         self.allocator = allocator
-        self.schedule = Schedule(states)
+        # A schedule.Schedule, made by the caller (hooks.lazy_init): schedule.py reads FSDPState,
+        # so this module must not import it.
+        self.schedule = schedule
         self.callback_queued = False
         self.reduce_queue: list[FSDPState] = []  # units with a reduce-scatter in flight, oldest first
         self.allreduce_queue: list[FSDPState] = []  # HSDP: units whose all-reduce across replicas is in flight
         self.step = 0
 
     @classmethod
-    def create(cls, root: FSDPState, states: list[FSDPState]) -> "RootContext":
-        ctx = cls(root, states, make_allocator(root.allocator_spec))
+    def create(cls, root: FSDPState, states: list[FSDPState], schedule) -> "RootContext":
+        ctx = cls(root, states, make_allocator(root.allocator_spec), schedule)
         for s in states:
             s.ctx = ctx
         logger.debug("mfsdp2: root %s owns %d units", root.name, len(states))

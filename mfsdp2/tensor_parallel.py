@@ -74,10 +74,14 @@ def tp_spec_of(p: DTensor, dp_mesh: DeviceMesh, fqn: str, where: str) -> TPSpec:
 
 
 def _root(mesh: DeviceMesh) -> Optional[DeviceMesh]:
-    try:
-        return mesh._get_root_mesh()
-    except Exception:  # a mesh made without a parent
+    """The mesh ``mesh`` was sliced from (itself when it has no parent), or None when this
+    torch's ``DeviceMesh`` cannot say (no ``_get_root_mesh``): the callers then refuse the TP
+    parameter with advice. Any other failure is a real error and surfaces as itself, not as a
+    misleading "not the other dimension" message or a later ``AttributeError`` on None."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    if get_root is None:
         return None
+    return get_root()
 
 
 def tp_dp_mesh(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh:

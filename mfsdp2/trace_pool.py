@@ -36,10 +36,10 @@ from typing import Hashable, Optional
 
 import torch
 
-from .allocator import BucketAllocator, CachingAllocator
+from .allocator import BucketAllocator, CachingAllocator, DynamicAllocator
 from .pool_plan import Interval, check_plan, plan_pool
 
-__all__ = ["TracePoolAllocator", "TraceStats"]
+__all__ = ["TracePoolAllocator", "TraceStats", "make_allocator"]
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,35 @@ class TracePoolAllocator(BucketAllocator):
         else:
             del src.live[key]
 
+    def _forget(self, key: Hashable, tensor: torch.Tensor) -> None:
+        # A leaked block keeps its pool bytes: it stays in ``live`` under a key of its own, so no
+        # slot overlapping it is ever handed out again (step id -1: not a planner error).
+        src = self._source.pop(key)
+        if src is None:
+            self.fallback._warned.add(key)  # this allocator warns
+            self.fallback.leak(key)
+        else:
+            lo, hi, _ = src.live.pop(key)
+            src.live[("leaked", key, len(self._leaked))] = (lo, hi, -1)
+        if self._plan is not None and not self._diverged:
+            self._note_divergence(f"{key!r} was leaked")
+
     def cached_bytes(self) -> int:
         """Bytes held for reuse: the pools plus what the fallback caches."""
         fb = self.fallback.cached_bytes() if hasattr(self.fallback, "cached_bytes") else 0
         return self.trace_stats.pool_bytes + fb
+
+
+def make_allocator(spec) -> BucketAllocator:
+    """``"caching"`` (default), ``"dynamic"``, ``"trace_pool"`` or a :class:`BucketAllocator` instance."""
+    if isinstance(spec, BucketAllocator):
+        return spec
+    if spec in (None, "caching"):
+        return CachingAllocator()
+    if spec == "dynamic":
+        return DynamicAllocator()
+    if spec == "trace_pool":
+        return TracePoolAllocator()
+    raise ValueError(
+        f"unknown allocator {spec!r}: use 'caching', 'dynamic', 'trace_pool' or a BucketAllocator instance"
+    )

@@ -93,6 +93,15 @@ def check_layout(layout: BufferLayout, shapes, world_size: int, align: int) -> N
                 assert (got.row_start, got.row_end, got.shard_offset, got.numel) == (r0, r1, a - lo_b, e - a)
                 assert 0 <= got.shard_offset and got.shard_offset + got.numel <= S
                 expected_rows.append(r1 - r0)
+            elif n == 0 and num_rows:
+                # Rows of zero elements ((5, 0)): all on the rank whose shard holds the offset.
+                owner = min(o // S, N - 1)
+                r0 = 0 if r <= owner else num_rows
+                r1 = num_rows if r == owner else r0
+                assert (got.row_start, got.row_end, got.numel) == (r0, r1, 0)
+                assert 0 <= got.shard_offset <= S
+                covered += r1 - r0
+                expected_rows.append(r1 - r0)
             else:
                 # Empty piece: zero rows, positioned before (row 0) or after (num_rows) the param.
                 # shard_offset is not compared: for a rank before the param it is offset - r*S, which
@@ -102,9 +111,9 @@ def check_layout(layout: BufferLayout, shapes, world_size: int, align: int) -> N
                 assert got.shard_offset >= 0
                 expected_rows.append(0)
             assert got.num_rows == expected_rows[-1]
-        assert covered == (num_rows if n else 0)
+        assert covered == num_rows
         assert layout.rows_per_rank(i) == tuple(expected_rows)
-        assert sum(layout.rows_per_rank(i)) == (num_rows if n else 0)
+        assert sum(layout.rows_per_rank(i)) == num_rows
 
     # -- long rows ---------------------------------------------------------------------------------
     natural = -(-T // N)
@@ -513,12 +522,22 @@ def test_handwritten_scalar_param():
     assert layout.rows_per_rank(0) in {(1, 0), (0, 1)}
 
 
-@pytest.mark.xfail(strict=True, reason="zero-size trailing dim: rows_per_rank sums to 0, not num_rows")
 def test_zero_size_trailing_dim_rows_sum_to_num_rows():
     # A (5, 0) param has 5 rows of 0 elements; a row-sharded DTensor of global shape (5, 0) needs
-    # per-rank row counts summing to 5, but every piece reports 0 rows.
+    # per-rank row counts summing to 5 (every piece used to report 0 rows).
     layout = plan_layout([(5, 0), (4,)], 2, align=1)
     assert sum(layout.rows_per_rank(0)) == 5
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+@pytest.mark.parametrize("shapes", [[(5, 0), (4,)], [(4, 3), (5, 0)], [(6, 3), (2, 0, 4), (7,)], [(3, 0)]])
+def test_zero_size_trailing_dims_every_rank_count_sums_to_dim0(shapes, world_size):
+    layout = plan_layout(shapes, world_size, align=4)
+    check_layout(layout, shapes, world_size, 4)
+    for i, shape in enumerate(shapes):
+        if math.prod(shape) == 0:
+            rows = layout.rows_per_rank(i)
+            assert sum(rows) == shape[0] and sorted(rows)[:-1] == [0] * (world_size - 1), rows
 
 
 # ------------------------------------------------------------------------------------------------

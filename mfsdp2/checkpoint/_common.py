@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import compat
 from ..placement import RowShard, row_sharded_dtensor
+from ..state import unit_state
 
 __all__ = [
     "ShardedParam",
@@ -183,14 +184,12 @@ def sharded_params(model: nn.Module, clean: bool = False) -> dict[str, ShardedPa
 
     ``clean=True`` uses DSD's canonical names (what ``get_optimizer_state_dict`` keys by).
     """
-    from ..module import FSDPModule
-
     units(model)  # refuses layouts these helpers do not handle, with what to use instead
     out: dict[str, ShardedParam] = {}
     for path, m in model.named_modules():
-        if not isinstance(m, FSDPModule):
+        state = unit_state(m)
+        if state is None:
             continue
-        state = m._mfsdp2_state
         for g in state.groups:
             for i, owners in enumerate(g.infos):
                 dp = g.dist_params[i]
@@ -204,9 +203,7 @@ def sharded_params(model: nn.Module, clean: bool = False) -> dict[str, ShardedPa
 
 
 def units(model: nn.Module) -> list:
-    from ..module import FSDPModule
-
-    states = [m._mfsdp2_state for m in model.modules() if isinstance(m, FSDPModule)]
+    states = [s for s in map(unit_state, model.modules()) if s is not None]
     for s in states:
         for g in s.groups:
             if g.config.shard_dim is None or g.mesh.ndim != 1 or any(t is not None for t in g.tp_specs):
