@@ -401,26 +401,33 @@ def _final_callback(ctx: RootContext) -> None:
                     f"mfsdp2: backward finished while units {stuck} never finished their forward "
                     "(an exception inside forward?); call model.reshard() and rerun the step"
                 )
+            # Every unit holding unsharded gradients is reduced, whichever forward (or earlier
+            # backward() call of this step) they came from: a step may back-propagate in several
+            # backward() calls (chunked loss, retain_graph, two losses), each with its own callback.
             for s in reversed(ctx.states):
-                if s.forward_with_grad and s.requires_gradient_sync and any(
-                    g.requires_grad and g.has_unsharded_grads() for g in s.groups
-                ):
+                if s.requires_gradient_sync and any(g.requires_grad and g.has_unsharded_grads() for g in s.groups):
                     post_backward(s)
             if ctx.root.is_last_backward:  # else (set_is_last_backward(False)) they stay in flight
                 _drain(ctx, keep=0)
                 _sync_grad_presence(ctx)
+            pending = []
             for s in ctx.states:
                 if s.reshard_after_backward:
                     reshard(s)
+                s.training_state = TrainingState.IDLE
+                if (s.forward_with_grad or s.expect_backward) and not s.post_backward_done:
+                    # Its forward's backward has not run yet: a later backward() call of this step
+                    # will run it (its output hooks and _PostBackward are still in the graph).
+                    pending.append(s)
+                    continue
                 if s.expect_backward and not s.forward_with_grad:
                     # Predicted to be recomputed by a reentrant checkpoint, but it was not (the
                     # model stopped checkpointing it): stop predicting its backward.
                     s.backward_via_recompute = False
-                s.training_state = TrainingState.IDLE
                 s.forward_with_grad = False
                 s.post_backward_done = False
                 s.expect_backward = False
-            ctx.schedule.end_backward()
+            ctx.schedule.end_backward(keep=pending)
             ctx.step += 1
         finally:
             ctx.callback_queued = False

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from . import dtensor_ops  # noqa: F401  (copy_ into RowShard parameters)
 from .allocator import BucketAllocator
 from .comm import Communicator
 from .hooks import lazy_init, post_forward, pre_forward, reset, reshard, unshard_async, wait_unshard
@@ -55,6 +56,13 @@ class FSDPModule:
     def _units(self, recurse: bool):
         mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
         return [m._mfsdp2_state for m in mods if isinstance(m, FSDPModule)]
+
+    def _apply(self, fn, recurse: bool = True):
+        """``to_empty`` / ``.to()`` / ``.double()`` / ``.cuda()`` ... after ``fully_shard``: convert
+        this rank's rows and have the groups adopt them (see :mod:`mfsdp2.conversion`)."""
+        from .conversion import apply_to_unit
+
+        return apply_to_unit(self, fn, recurse, super()._apply)
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather this unit's parameters now (e.g. to overlap with work before forward)."""

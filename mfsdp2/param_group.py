@@ -43,7 +43,7 @@ from .allocator import BucketAllocator
 from .buffer import DataParallelBuffer
 from .comm import CommHandle, Communicator
 from .fp8 import Float8Gather
-from .layout import plan_layout
+from .layout import BufferLayout, plan_layout
 from .mixed_precision import MixedPrecisionPolicy
 from .placement import RowShard, data_parallel_dtensor
 from .strategy import ShardingStrategy
@@ -99,6 +99,7 @@ class ParameterGroup:
         mp: MixedPrecisionPolicy,
         config: GroupConfig = GroupConfig(),
         tp_specs: Optional[list[Optional[TPSpec]]] = None,
+        layout: Optional[BufferLayout] = None,
     ):
         self.unit_name = unit_name
         # Per parameter: its tensor-parallel spec (``params`` then holds the TP-local tensors).
@@ -126,7 +127,8 @@ class ParameterGroup:
 
         itemsize = min(torch.finfo(d).bits if d.is_floating_point else torch.iinfo(d).bits
                        for d in (self.compute_dtype, self.main_dtype)) // 8
-        self.layout = plan_layout([tuple(p.shape) for p in params], comm.world_size, align=max(16 // itemsize, 1))
+        # ``layout``: keep an existing group's rows (a dtype conversion after fully_shard, see conversion.py).
+        self.layout = layout or plan_layout([tuple(p.shape) for p in params], comm.world_size, align=max(16 // itemsize, 1))
 
         S = self.layout.shard_numel
         same = self.main_dtype == self.compute_dtype

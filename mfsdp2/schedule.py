@@ -129,11 +129,13 @@ class Schedule:
             return []
         return self._bwd.order[k + 1 : k + 1 + self.prefetch_depth]
 
-    def end_backward(self) -> None:
-        if self._bwd is not None and self._bwd.mispredicted:
+    def end_backward(self, keep: "list[FSDPState]" = ()) -> None:
+        """``keep``: units whose backward is still to come in a later ``backward()`` call of the
+        same step (chunked loss, two losses): they stay in the prediction for it."""
+        if self._bwd is not None and self._bwd.mispredicted and not keep:
             self.mispredictions += 1
         self._bwd = None
-        self._bwd_record = []
+        self._bwd_record = [s for s in self._bwd_record if s in keep]
 
     def abandon_pass(self) -> None:
         """Forget the pass in progress (after an exception); the recorded order is kept."""
