@@ -14,8 +14,9 @@ A group owns three flat buffers planned by one :class:`~mfsdp2.layout.BufferLayo
 To the optimizer it exposes one ``nn.Parameter`` per original parameter: a DTensor with the
 original global shape and a :class:`~mfsdp2.placement.RowShard` placement, whose local tensor is a
 view of this rank's rows in ``main_weight`` and whose ``.grad`` is a view into ``main_grad``. A rank
-that holds no rows of a parameter gives it ``grad = None``: fused multi-tensor optimizers handed
-empty tensors corrupt the neighbouring parameters' updates.
+that holds no rows of a parameter still gives it a gradient (an empty local tensor), as torch FSDP2
+does: code that walks the gradients (``clip_grad_norm_`` reduces a norm per DTensor grad, loss
+scalers, ``p.grad.to_local()`` loops) must see the same parameters on every rank.
 
 Strategies (:mod:`mfsdp2.strategy`): with ``no_shard`` / ``optim`` / ``optim_grads`` the model
 weights are a *persistent* buffer (gathered once per optimizer step; the main weights are its local
@@ -549,16 +550,20 @@ class ParameterGroup:
         dst.add_(out)
 
     def expose_grads(self, flags) -> None:
-        """Give ``dp.grad`` (a view of main_grad) to every parameter flagged and holding rows here.
+        """Give ``dp.grad`` (a view of main_grad; empty where this rank holds no rows) to every
+        flagged parameter.
 
         Called with this rank's flags after each reduction, then with the flags of *all* ranks
         at the end of backward (``hooks._sync_grad_presence``): a parameter used on some ranks only
         (an MoE expert that got no tokens here) has a nonzero reduced gradient on every rank's rows,
         so every rank must step it, while a parameter no rank used keeps ``grad = None`` (the
-        optimizer skips it, as it would unsharded)."""
+        optimizer skips it, as it would unsharded). Empty pieces get an empty gradient, never
+        ``None``: a rank whose list of gradients differs from the others' issues different
+        collectives in ``clip_grad_norm_`` (gloo aborts). torch's foreach and fused optimizers
+        step empty tensors without touching their neighbours (tests/test_empty_grads.py)."""
         if self.main_grad is None:
             return
         for i, dp in enumerate(self.dist_params):
-            if flags[i] and dp.grad is None and self.layout.piece(i, self.rank).numel > 0:
+            if flags[i] and dp.grad is None:
                 local = self.weights.piece_view(self.main_grad, i)
                 dp.grad = self.as_dtensor(local, i, dp.shape)
