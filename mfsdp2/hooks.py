@@ -39,6 +39,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .comm import host_tensor
 from .profiling import event_log, trace_range
 from .te import attach_main_grads
 from .state import FSDPState, RootContext, ShardState, TrainingState
@@ -383,18 +384,22 @@ def _sync_grad_presence(ctx: RootContext) -> None:
     A rank exposes ``grad`` only for parameters it computed a gradient for; a parameter used on
     other ranks only (an MoE expert without tokens here) still has a reduced gradient in this
     rank's rows, and leaving it ``None`` would freeze those rows. Every rank reduced the same groups
-    (their reduce-scatters matched), so every rank builds the same vector."""
+    (their reduce-scatters matched), so every rank builds the same vector.
+
+    The flags are host facts (which unsharded parameters had ``.grad``), so they are agreed over
+    the group's gloo twin on the CPU (``Communicator.host``): no device copy and no device-to-host
+    read, so the end of backward never waits for the GPU."""
     groups = [g for s in ctx.states for g in s.groups if g.requires_grad and g.grads_reduced_this_step]
     if not groups:
         return
     # Over the shard group, then across replicas (HSDP; no_shard's only group).
-    comms = [c for c in (groups[0].comm, groups[0].replicate_comm) if c is not None and c.world_size > 1]
+    comms = [c.host() for c in (groups[0].comm, groups[0].replicate_comm) if c is not None and c.world_size > 1]
     if comms:
-        flags = torch.tensor([f for g in groups for f in g.local_grad_flags], dtype=torch.uint8, device=groups[0].device)
+        flags = host_tensor([f for g in groups for f in g.local_grad_flags], torch.uint8)
         label = f"gradient-presence all-reduce (end of backward, step {ctx.step})"
         for c in comms:
             c.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, label=label).wait()
-        flat = flags.tolist()
+        flat = flags.tolist()  # a CPU tensor: no device synchronisation
         k = 0
         for g in groups:
             n = len(g.local_grad_flags)
