@@ -37,6 +37,7 @@ __all__ = [
     "set_collective_timeout",
     "set_collective_checks",
     "tensors_overlap",
+    "host_tensor",
 ]
 
 # Fail-fast: how long a CPU rank waits for one collective before giving up (None: as long as the
@@ -68,6 +69,19 @@ def set_collective_checks(enabled: bool) -> None:
     aid: one extra small all-gather per collective). Also ``MFSDP2_CHECK_COLLECTIVES=1``."""
     global _check_collectives
     _check_collectives = bool(enabled)
+
+
+def host_tensor(values, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of facts the host already knows (e.g. which parameters had a gradient), to be
+    agreed over a :meth:`Communicator.host` group. Reading it back is no device synchronisation;
+    the mark lets ``tests/test_host_sync.py`` tell it from tensors whose reads would be."""
+    t = torch.tensor(values, dtype=dtype)
+    t._mfsdp2_host_metadata = True
+    return t
+
+
+# Gloo twins of device groups, by their ranks: created once per rank set (see Communicator.host).
+_host_groups: dict = {}
 
 
 class CollectiveError(RuntimeError):
@@ -241,6 +255,7 @@ class Communicator:
         self.rs_stream = torch.cuda.Stream(device) if cuda else None
         self.ar_stream = torch.cuda.Stream(device) if cuda else None
         self._subgroups: dict = {}
+        self._host: Optional["Communicator"] = None
         # gloo has no native reduce-scatter (it all-reduces): use the point-to-point exchange.
         # MFSDP2_GLOO_P2P_REDUCE_SCATTER=0 turns it off.
         self.p2p_reduce_scatter = (
@@ -274,6 +289,24 @@ class Communicator:
                     mine = g
             self._subgroups[key] = Communicator(mine, self.device)
         return self._subgroups[key]
+
+    def host(self) -> "Communicator":
+        """A communicator over the same ranks for host metadata (:func:`host_tensor`).
+
+        Why: agreeing on facts the host knows over the device group (NCCL) would copy them to
+        the device and read the result back -- a host synchronisation on every step. A CPU run's
+        group already is a gloo group on the host, so it is its own; otherwise a gloo twin is
+        created once, at the first use, which every member reaches together (a collective point
+        of the step). ``use_local_synchronization``: only the member ranks take part, so each
+        block of an HSDP mesh can create its own."""
+        if self.group is None or self.device.type == "cpu":
+            return self
+        if self._host is None:
+            ranks = tuple(dist.get_process_group_ranks(self.group))
+            if ranks not in _host_groups:
+                _host_groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+            self._host = Communicator(_host_groups[ranks], torch.device("cpu"))
+        return self._host
 
     def _launch(self, stream, fn, label: str = "") -> CommHandle:
         if stream is None:

@@ -1,9 +1,14 @@
 """FP8 all-gather: weights travel as float8 (e4m3) bytes with one scale per parameter.
 
 Why: the all-gather of the weights is most of FSDP's traffic. Quantising each parameter's main
-(fp32) shard to float8 once per forward (backward's regather reuses it) halves those bytes against
-bf16; the module still computes in ``param_dtype`` (the gathered bytes are dequantised into the
-unsharded buffer).
+(fp32) shard to float8 as it goes into each gather halves those bytes against bf16; the module
+still computes in ``param_dtype`` (the gathered bytes are dequantised into the unsharded buffer).
+
+Nothing is cached between gathers: the amax is taken from the main shard at every root forward
+and the shard is quantised at every unshard (one elementwise pass over the shard, the cost class
+of the bf16 cast a ZeRO-3 gather does anyway). A cache keyed by version counters missed writes
+through ``.data`` (an EMA swapped in, ``torch.nn.init`` on ``p.data``) and gathered old weights
+with old scales; deciding from the values instead would need a device-to-host read per gather.
 
 Scales must be identical on every rank -- a parameter's rows are spread over ranks, and rows
 quantised with different scales cannot be dequantised with one. So each rank computes the amax of
@@ -18,7 +23,7 @@ biases are small and sensitive, so ``fully_shard`` puts them in ordinary groups.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,37 +51,31 @@ class Float8Gather:
         self.bytes = DataParallelBuffer(group.layout, torch.uint8, group.device, group.comm)
         self.bytes.free_unsharded()
         self.scales = torch.ones(n, dtype=torch.float32, device=group.device)
-        self._amax_version = -1
+        self.agreed = False  # scales agreed by some all-reduce yet (the root's forward, or a first unshard)
         self._local_amax = torch.zeros(n, dtype=torch.float32, device=group.device)
-        # (main version, scales version) the shard was quantised with: versions, not values, so
-        # deciding costs no device-to-host copy on CUDA.
-        self._scales_version = 0
-        self._quantised: Optional[tuple] = None
-        self.quantisations = 0  # tests: once per training step (forward), not per gather
+        self.quantisations = 0  # tests: one per gather
 
     def local_amax(self) -> torch.Tensor:
-        """Max |w| over this rank's rows of each parameter (0 for an empty piece); cached per
-        main-weight version, so an unchanged model costs nothing."""
+        """Max |w| over this rank's rows of each parameter (0 for an empty piece), computed from
+        the current main shard on the device at every call (the root's forward)."""
         g = self.group
-        v = g.main_version()
-        if v != self._amax_version:
-            with torch.no_grad():
-                for i in range(len(g.layout.slots)):
-                    piece = g.weights.piece_view(g.main_weight, i)
-                    self._local_amax[i] = piece.abs().max() if piece.numel() else 0.0
-            self._amax_version = v
+        with torch.no_grad():
+            for i in range(len(g.layout.slots)):
+                piece = g.weights.piece_view(g.main_weight, i)
+                if piece.numel():
+                    self._local_amax[i] = piece.abs().max()
+                else:
+                    self._local_amax[i] = 0.0
         return self._local_amax
 
     def set_global_amax(self, amax: torch.Tensor) -> None:
+        """Scales from the all-reduced amax, on the device: ``finfo.max / amax`` (1 for all zeros)."""
         scales = torch.where(amax > 0, self.max / amax.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
         self.scales.copy_(scales)
-        self._scales_version += 1
+        self.agreed = True
 
     def _quantise(self) -> None:
         g = self.group
-        key = (g.main_version(), self._scales_version)
-        if self._quantised == key:
-            return
         q = self.bytes.shard.view(self.dtype)
         with torch.no_grad():
             q.zero_()  # padding
@@ -85,14 +84,13 @@ class Float8Gather:
                 if src.numel():
                     dst = g.weights.piece_view(q, i)
                     dst.copy_((src.float() * self.scales[i]).clamp_(-self.max, self.max))
-        self._quantised = key
         self.quantisations += 1
 
     def all_gather(self, allocator, key, label: str) -> CommHandle:
         """Gather the float8 bytes, then (at ``wait()``) dequantise them into the unsharded
         compute-dtype buffer, which is where the module's parameters live."""
         g = self.group
-        if self._amax_version < 0:
+        if not self.agreed:
             # First gather, before any root forward agreed on scales (an explicit unshard()):
             # agree now, inside this group. Every rank is here for the same reason.
             amax = self.local_amax().clone()

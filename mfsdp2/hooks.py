@@ -39,6 +39,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .comm import host_tensor
 from .profiling import event_log, trace_range
 from .schedule import Schedule
 from .te import attach_main_grads
@@ -219,26 +220,38 @@ def _agree_on_gathers(ctx: RootContext) -> None:
     """One small all-reduce (MAX) per forward, for every unit at once, when some groups keep
     persistent weights or gather in FP8.
 
-    * Persistent weights (``optim``, ``optim_grads``) are gathered again only after an optimizer
-      step. A rank that holds no rows of a group sees no step (its version counters do not move)
-      while the others do; deciding locally would make the ranks issue different collectives.
-    * FP8 groups need one scale per parameter that every rank shares: the max of the ranks' amax.
+    * Persistent weights (``optim``, ``optim_grads``, ``no_shard``) are re-gathered only when
+      they changed (:mod:`mfsdp2.weight_watch`). Version counters and the content fingerprint
+      are local: a rank holding no rows of a group sees no write while the others do, and
+      deciding locally would make the ranks issue different collectives. The agreed flags need
+      **one host read per root forward** (``tolist``): the one documented exception to "no host
+      synchronisation in steady state", for these strategies only.
+    * FP8 groups need one scale per parameter that every rank shares: the max of the ranks'
+      amax. The scales stay on the device (no host read).
     """
-    persistent = [g for s in ctx.states for g in s.groups if g.persistent and g.comm.world_size > 1]
+    persistent = [g for s in ctx.states for g in s.groups if g.persistent]
     fp8 = [g for s in ctx.states for g in s.groups if g.fp8 is not None]
     if not persistent and not fp8:
         return
     from .fp8 import agree_scales
 
-    comm = (persistent or fp8)[0].comm
-    parts = [torch.tensor([1.0 if g.main_version() != g.gathered_version else 0.0 for g in persistent])]
+    groups = persistent + fp8
+    device = groups[0].device
+    parts = []
+    if persistent:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        parts.append(torch.stack([g.changed_flag(one) for g in persistent]))
     parts += [g.fp8.local_amax() for g in fp8]
-    vec = torch.cat([p.to(device=comm.device, dtype=torch.float32) for p in parts])
-    label = f"gather agreement (stale flags, fp8 amax) at the forward of step {ctx.step}"
-    comm.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, label=label).wait()
-    flags = vec[: len(persistent)].tolist()
-    for g, f in zip(persistent, flags):
-        g.agreed_stale = f > 0
+    vec = torch.cat(parts) if len(parts) > 1 else parts[0]
+    # One collective over the shard group (groups of one rank, e.g. no_shard's, need none: their
+    # gathers involve no other rank, and a MAX with the others' flags is merely conservative).
+    comm = next((g.comm for g in groups if g.comm.world_size > 1), None)
+    if comm is not None:
+        label = f"gather agreement (changed flags, fp8 amax) at the forward of step {ctx.step}"
+        comm.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, label=label).wait()
+    if persistent:
+        for g, f in zip(persistent, vec[: len(persistent)].tolist()):
+            g.agreed_stale = f > 0
     agree_scales(fp8, vec, len(persistent))
 
 
@@ -370,18 +383,22 @@ def _sync_grad_presence(ctx: RootContext) -> None:
     A rank exposes ``grad`` only for parameters it computed a gradient for; a parameter used on
     other ranks only (an MoE expert without tokens here) still has a reduced gradient in this
     rank's rows, and leaving it ``None`` would freeze those rows. Every rank reduced the same groups
-    (their reduce-scatters matched), so every rank builds the same vector."""
+    (their reduce-scatters matched), so every rank builds the same vector.
+
+    The flags are host facts (which unsharded parameters had ``.grad``), so they are agreed over
+    the group's gloo twin on the CPU (``Communicator.host``): no device copy and no device-to-host
+    read, so the end of backward never waits for the GPU."""
     groups = [g for s in ctx.states for g in s.groups if g.requires_grad and g.grads_reduced_this_step]
     if not groups:
         return
     # Over the shard group, then across replicas (HSDP; no_shard's only group).
-    comms = [c for c in (groups[0].comm, groups[0].replicate_comm) if c is not None and c.world_size > 1]
+    comms = [c.host() for c in (groups[0].comm, groups[0].replicate_comm) if c is not None and c.world_size > 1]
     if comms:
-        flags = torch.tensor([f for g in groups for f in g.local_grad_flags], dtype=torch.uint8, device=groups[0].device)
+        flags = host_tensor([f for g in groups for f in g.local_grad_flags], torch.uint8)
         label = f"gradient-presence all-reduce (end of backward, step {ctx.step})"
         for c in comms:
             c.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, label=label).wait()
-        flat = flags.tolist()
+        flat = flags.tolist()  # a CPU tensor: no device synchronisation
         k = 0
         for g in groups:
             n = len(g.local_grad_flags)

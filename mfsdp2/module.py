@@ -85,6 +85,16 @@ class FSDPModule:
         if state.ctx is not None:
             reset(state.ctx)
 
+    def mark_weights_changed(self, *, recurse: bool = True) -> None:
+        """Announce a write to the weights made outside the optimizer (``p.data.copy_(ema)``,
+        ``torch.nn.init.*_(p.data)``, a custom loader): the next forward re-casts and re-gathers
+        them. Optional -- such writes are also found by a content fingerprint at the root's
+        forward -- but it makes the next gather certain and skips that comparison. Call it on
+        every rank (like the write itself)."""
+        for s in self._units(recurse):
+            for g in s.groups:
+                g.mark_changed()
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: accumulate unsharded gradients locally (no reduce-scatter) until set back to True."""
         for s in self._units(recurse):

@@ -14,17 +14,20 @@ A group owns three flat buffers planned by one :class:`~mfsdp2.layout.BufferLayo
 To the optimizer it exposes one ``nn.Parameter`` per original parameter: a DTensor with the
 original global shape and a :class:`~mfsdp2.placement.RowShard` placement, whose local tensor is a
 view of this rank's rows in ``main_weight`` and whose ``.grad`` is a view into ``main_grad``. A rank
-that holds no rows of a parameter gives it ``grad = None``: fused multi-tensor optimizers handed
-empty tensors corrupt the neighbouring parameters' updates.
+that holds no rows of a parameter still gives it a gradient (an empty local tensor), as torch FSDP2
+does: code that walks the gradients (``clip_grad_norm_`` reduces a norm per DTensor grad, loss
+scalers, ``p.grad.to_local()`` loops) must see the same parameters on every rank.
 
 Strategies (:mod:`mfsdp2.strategy`): with ``no_shard`` / ``optim`` / ``optim_grads`` the model
 weights are a *persistent* buffer (gathered once per optimizer step; the main weights are its local
 slice when the dtypes match), and with ``no_shard`` / ``optim`` the main gradient is full-size
 and reduced by all-reduce. HSDP adds an all-reduce of the shard-group result across replicas.
 
-Step detection: the optimizer's in-place update of a DTensor parameter bumps that parameter's
-version counter (not ``main_weight``'s: the counters are not shared through the DTensor wrapper),
-so the next unshard sees a new version sum and re-casts the model shard. No user call is needed.
+Change detection (:mod:`mfsdp2.weight_watch`): persistent weights are re-cast and re-gathered
+when the main weights changed -- an optimizer step (a process-wide step hook), an announced write
+(``mark_weights_changed``, ``load_state_dict``), a moved version counter, or a different content
+fingerprint of the main shard, which catches writes through ``.data`` that bump no counter. The
+root's forward agrees on the local signals across ranks. No user call is needed.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from .layout import BufferLayout, plan_layout
 from .mixed_precision import MixedPrecisionPolicy
 from .placement import RowShard, data_parallel_dtensor
 from .strategy import ShardingStrategy
+from .weight_watch import fingerprint, watch
 from .te import detach_main_grads, fuses_wgrad  # TE's attribute protocol; TE itself is never imported
 from .tensor_parallel import TPSpec, local_grad, tp_dp_mesh, tp_dtensor
 
@@ -142,14 +146,17 @@ class ParameterGroup:
             self.main_weight = torch.zeros(S, dtype=self.main_dtype, device=device)
             self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, comm, shard=self.main_weight)
         self._needs_cast = not same and self.persistent  # ZeRO-3 casts inside each gather instead
-        # Persistent weights: the ranks' agreed answer to "did any rank's optimizer step since the
-        # last gather" (set at the root's forward, see hooks._agree_on_gathers); None: ask locally.
-        self.agreed_stale: Optional[bool] = None
+        # Persistent weights: the ranks' agreed answer to "did the weights change on any rank since
+        # the last gather" (set at the root's forward, see hooks._agree_on_gathers).
+        self.agreed_stale = False
+        # An optimizer step or an announced write since the last gather (the same on every rank).
+        self.changed = True
+        self._gathered_fp: Optional[torch.Tensor] = None  # fingerprint of the main shard at the last gather
         self.fp8 = None
         if config.fp8:
             self.fp8 = Float8Gather(self, config.fp8)
 
-        self._cast_version = -1
+        self._cast_pending = False  # the model shard lags the main weights: cast at the next gather
         self.casts = 0  # main -> model casts into a persistent buffer (tests: once per optimizer step)
         self.gathered_version = -1
         self.kept: Optional[torch.Tensor] = None  # shards kept by a partial reshard (int reshard_after_forward)
@@ -177,7 +184,8 @@ class ParameterGroup:
         self._make_params(params)
         self.te_fused = fuses_wgrad(self)
         self.weights.free_unsharded()
-        self.refresh_model_shard(force=True)
+        self.refresh_model_shard()
+        watch(self)
 
     # -- parameters ---------------------------------------------------------------------------
     def _make_params(self, params: list[nn.Parameter]) -> None:
@@ -232,16 +240,28 @@ class ParameterGroup:
         # DTensor ops bump the wrapper's counter, direct writes to a local bump the local's.
         return self.main_weight._version + sum(dp._version + dp._local_tensor._version for dp in self.dist_params)
 
-    def refresh_model_shard(self, force: bool = False) -> None:
-        """Cast main -> model weights when the optimizer changed the main shard (version counters)."""
+    def refresh_model_shard(self) -> None:
+        """Cast main -> model weights into a persistent buffer's local slice (persistent groups
+        whose compute dtype differs; at construction, materialisation and every re-gather)."""
         if not self._needs_cast:
             return
-        v = self.main_version()
-        if force or v != self._cast_version:
-            with torch.no_grad():
-                self.weights.shard.copy_(self.main_weight)
-            self._cast_version = v
-            self.casts += 1
+        with torch.no_grad():
+            self.weights.shard.copy_(self.main_weight)
+        self._cast_pending = False
+        self.casts += 1
+
+    def mark_changed(self) -> None:
+        """The main weights were (or may have been) written: re-cast and re-gather before the
+        next use. Called on every rank (optimizer-step hook, ``mark_weights_changed``, loading)."""
+        self.changed = True
+
+    def changed_flag(self, one: torch.Tensor) -> torch.Tensor:
+        """0-dim device float: 1 when this rank sees a change since the last gather. Host facts
+        (a step, an announced write, a moved version counter) answer without touching the device;
+        otherwise the main shard's fingerprint is compared on the device (no host read here)."""
+        if self.changed or self.main_version() != self.gathered_version or self._gathered_fp is None:
+            return one
+        return (fingerprint(self.main_weight) != self._gathered_fp).any().to(one.dtype)
 
     # -- unshard / reshard --------------------------------------------------------------------
     @property
@@ -253,9 +273,13 @@ class ParameterGroup:
         the weights are persistent and no rank stepped since the last gather (nothing to do)."""
         if self.persistent and not self.stale:
             return None
-        self.refresh_model_shard()
+        if self._cast_pending:
+            self.refresh_model_shard()
+        self._cast_pending = self._needs_cast  # the next gather happens because the main weights changed
         self.gathered_version = self.main_version()
-        self.agreed_stale = None
+        self.changed = self.agreed_stale = False
+        if self.persistent:
+            self._gathered_fp = fingerprint(self.main_weight)
         with torch.no_grad():
             if self.fp8 is not None:
                 return self.fp8.all_gather(allocator, key, label)
@@ -263,11 +287,16 @@ class ParameterGroup:
 
     @property
     def stale(self) -> bool:
-        """True when the optimizer changed the main weights after the last gather (for persistent
-        weights: on any rank, as agreed at the root's forward, when that answer is there)."""
-        if self.agreed_stale is not None:
-            return self.agreed_stale
-        return self.main_version() != self.gathered_version
+        """True when the weights changed after the last gather.
+
+        Persistent weights: the answer agreed at the root's forward (version counters and the
+        fingerprint, MAX over ranks) or a signal every rank gets (optimizer step, announced write).
+        Local version counters are not consulted between root forwards: a rank holding no rows
+        would decide differently and the ranks would issue different collectives. ZeRO-3 groups
+        ask this only while gathered (kept across a step, or an in-flight ``unshard``)."""
+        if self.persistent:
+            return self.agreed_stale or self.changed
+        return self.changed or self.main_version() != self.gathered_version
 
     def reshard(self) -> None:
         self.weights.free_unsharded()
@@ -549,16 +578,20 @@ class ParameterGroup:
         dst.add_(out)
 
     def expose_grads(self, flags) -> None:
-        """Give ``dp.grad`` (a view of main_grad) to every parameter flagged and holding rows here.
+        """Give ``dp.grad`` (a view of main_grad; empty where this rank holds no rows) to every
+        flagged parameter.
 
         Called with this rank's flags after each reduction, then with the flags of *all* ranks
         at the end of backward (``hooks._sync_grad_presence``): a parameter used on some ranks only
         (an MoE expert that got no tokens here) has a nonzero reduced gradient on every rank's rows,
         so every rank must step it, while a parameter no rank used keeps ``grad = None`` (the
-        optimizer skips it, as it would unsharded)."""
+        optimizer skips it, as it would unsharded). Empty pieces get an empty gradient, never
+        ``None``: a rank whose list of gradients differs from the others' issues different
+        collectives in ``clip_grad_norm_`` (gloo aborts). torch's foreach and fused optimizers
+        step empty tensors without touching their neighbours (tests/test_empty_grads.py)."""
         if self.main_grad is None:
             return
         for i, dp in enumerate(self.dist_params):
-            if flags[i] and dp.grad is None and self.layout.piece(i, self.rank).numel > 0:
+            if flags[i] and dp.grad is None:
                 local = self.weights.piece_view(self.main_grad, i)
                 dp.grad = self.as_dtensor(local, i, dp.shape)

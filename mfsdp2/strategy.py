@@ -15,8 +15,9 @@ size; the optimizer's states always follow the parameters it is handed):
 
 When the main and model dtypes match, the main weights *are* this rank's slice of the model
 weights (no second copy). Strategies that keep full model weights gather them once per optimizer
-step (the next forward notices the step by the weights' version counters; the ranks agree on it
-with one small all-reduce per forward) instead of once per forward and once per backward.
+step or other change of the weights (see :mod:`mfsdp2.weight_watch`: step hook, version counters,
+content fingerprint; the ranks agree with one small all-reduce per forward, read on the host)
+instead of once per forward and once per backward.
 Strategies that keep full gradients all-reduce them (as DeepSpeed's ZeRO-1 and DDP do); the
 others reduce-scatter.
 

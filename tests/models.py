@@ -107,16 +107,15 @@ def sharded_train_step(model, opt, step: int, rank: int, ws: int, global_batch: 
 
 def local_grad_rows(p):
     """``(first global row, this rank's rows of p.grad)`` of an optimizer-facing DTensor parameter;
-    a rank holding no rows must have ``grad None`` (and gets its empty local tensor back)."""
+    every rank has a gradient, an empty one where it holds no rows (as torch FSDP2)."""
     from mfsdp2 import RowShard
 
     start = 0
     for dim, pl in enumerate(p.placements):
         if isinstance(pl, RowShard):
             start = pl.starts[p.device_mesh.get_local_rank(dim)]
-    if p.grad is None:
-        assert p.to_local().numel() == 0, "a rank holding rows must get a gradient"
-        return start, p.to_local().detach().clone()
+    assert p.grad is not None, "every rank must get a gradient, an empty one where it holds no rows"
+    assert p.grad.to_local().shape == p.to_local().shape
     return start, p.grad.to_local().clone()
 
 

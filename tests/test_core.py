@@ -138,14 +138,13 @@ def _empty_pieces(rank, ws):
     for name, p in model.named_parameters():
         if p.to_local().numel() == 0:
             empty.append(name)
-            assert p.grad is None, f"{name}: an empty piece must get grad None"
-        else:
-            assert p.grad is not None and p.grad.to_local().shape == p.to_local().shape, name
+        # Every rank has a grad, an empty one where it holds no rows (as torch FSDP2).
+        assert p.grad is not None and p.grad.to_local().shape == p.to_local().shape, name
     opt.step()
     return empty
 
 
-def test_empty_pieces_get_no_grad():
+def test_empty_pieces_get_empty_grads():
     empties = run_ranks(_empty_pieces, 4)
     assert any(empties), "the tiny model should leave some rank without rows of some parameter"
 

@@ -79,10 +79,10 @@ def _hsdp(rank, ws, path):
         event_log.enabled = False
     n_groups = sum(len(m._mfsdp2_state.groups) for m in model.modules() if hasattr(m, "_mfsdp2_state"))
     grads = {}
-    for k, q in model.named_parameters():  # this rank's rows (a rank holding none has grad None)
+    for k, q in model.named_parameters():  # this rank's rows (an empty grad where it holds none)
         start = q.placements[1].starts[mesh.get_local_rank(1)]
-        assert (q.grad is None) == (q.to_local().numel() == 0), k
-        grads[k] = (start, q.grad.to_local().clone() if q.grad is not None else q.to_local().detach().clone())
+        assert q.grad is not None and q.grad.to_local().shape == q.to_local().shape, k
+        grads[k] = (start, q.grad.to_local().clone())
     return out, grads, len(calls), n_groups, saved
 
 

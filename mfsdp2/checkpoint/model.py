@@ -14,8 +14,9 @@ placement gives DCP the true rows of every rank. The state-dict post-hook only
 whatever arrives (our DTensors, DTensors of another layout or world size, torch FSDP2's
 ``Shard(0)`` chunks, ``Replicate`` DTensors, plain full tensors) into this rank's rows, copies them
 into the main-weight piece and hands the default loader the parameter itself (a no-op self-copy).
-Model weights in a lower compute dtype are *not* copied here: the write bumps the main weights'
-version counter and the next unshard re-casts main -> model once, like after an optimizer step. A
+Model weights in a lower compute dtype are *not* copied here: the hook marks the groups changed
+(``ParameterGroup.mark_changed``) and the next unshard re-casts main -> model once, like after an
+optimizer step. A
 checkpoint is never routed through the compute-dtype copy, which would round fp32 main weights to
 bf16 (the precision regression the Megatron review warned about).
 
@@ -126,6 +127,8 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
     check_loadable(state)
     with torch.no_grad():
         _write_main_weights(entries, state_dict)
+    for g in state.groups:  # every rank loads: re-cast and re-gather at the next use
+        g.mark_changed()
 
 
 def _write_main_weights(entries, state_dict) -> None:
