@@ -23,7 +23,7 @@ from mfsdp2 import state_dict as msd
 from mfsdp2.state_dict import StateDictOptions, tensors_by_path
 
 from ._dist import run_ranks
-from .models import Net, batch, build, make_opt, sharded_train_step
+from .models import F64, REL_F64, Net, assert_close_rel, batch, build, make_opt, sharded_train_step
 
 FULL = StateDictOptions(full_state_dict=True)
 GLOBAL_BATCH = 8
@@ -367,7 +367,7 @@ class _SwiBlock(nn.Module):
 def _swi_net(fused):
     net = Net(d=16, hidden=24, n_blocks=2)  # its forward, with SwiGLU blocks instead of GELU ones
     net.blocks = nn.ModuleList(_SwiBlock(16, 24, fused) for _ in range(2))
-    return net
+    return net.to(F64)  # the fused and separate forwards are compared at REL_F64 (tests/models.py)
 
 
 _FC1 = [(f"blocks.{i}.fc1.weight", f"blocks.{i}.gate_proj.weight", f"blocks.{i}.up_proj.weight") for i in range(2)]
@@ -404,7 +404,7 @@ def _fused(rank, ws, path):
     _join_all(sd["model"], sd["optim"])
     msd.set_state_dict(fused, f_opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     out["fused"] = _full(fused, f_opt)
-    x, _ = batch(9, GLOBAL_BATCH, 12)
+    x, _ = batch(9, GLOBAL_BATCH, 12, dtype=F64)
     with torch.no_grad():
         out["outs"] = (sep(x), fused(x))
 
@@ -448,7 +448,7 @@ def test_fused_split_join(tmp_path):
         _assert_same(r["fused"], (want_model, want_optim), f"sep -> fused rank {rank}")
         _assert_same(r["sep2"], r["sep"], f"fused -> sep rank {rank}")
         a, b = r["outs"]
-        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+        assert_close_rel(a, b, f"fused vs separate output rank {rank}", REL_F64)
     # Unsharded round trips are exact too.
     back_model, back_optim = copy(want_model, want_optim)
     _split_all(back_model, back_optim)

@@ -4,12 +4,17 @@ Every guarantee is checked against quantities recomputed here from the slots (of
 the shard size ``S``; :meth:`BufferLayout.piece` / :meth:`BufferLayout.rows_per_rank` are then
 compared with that recomputation instead of being trusted.
 
-For the Llama table and a few pinned cases the planner is also compared with an exact optimum
-(:func:`exact_optimal_shard`, an independent brute-force search written below).
+Minimality is checked against the rules, not against numbers copied from the planner: on small
+cases :func:`brute_min_shard` enumerates every admissible shard size and every placement (each
+parameter at every aligned offset after the previous one) and the planner's padding is compared
+with the smallest it finds; :func:`exact_optimal_shard` (a faster search, needed for the Llama
+table) is itself checked against the brute force. Where the planner is not minimal, strict xfail
+rows say so.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 
@@ -244,6 +249,37 @@ def exact_optimal_shard(shapes, world_size: int, align: int, s_max: int):
     return None
 
 
+def _admissible(o: int, n: int, row: int, S: int, world_size: int) -> bool:
+    """The layout rule: every shard boundary strictly inside [o, o + n) falls on a row edge."""
+    return all((m * S - o) % row == 0 for m in range(1, world_size) if o < m * S < o + n)
+
+
+def brute_min_shard(shapes, world_size: int, align: int) -> int:
+    """The smallest shard size S admitting a layout, by brute force over every S (a positive
+    multiple of ``align``, ``N*S >= T``) and every placement: parameters in order, each at any
+    aligned offset at or after the previous one's end whose shard boundaries cut no row, all inside
+    ``N*S``. The scan starts at the longest row: a shorter S always puts a boundary inside that
+    row (for N = 1, N*S >= T covers it). The set of reachable end positions is carried parameter
+    by parameter, so no placement is skipped."""
+    rows = [_rows(s) for s in shapes]
+    T = sum(r * c for r, c in rows)
+    longest = max((c for r, c in rows if r * c), default=0)
+    S = max(align, _up(-(-T // world_size), align), _up(longest, align))
+    while True:
+        ends = {0}
+        for num_rows, row in rows:
+            n = num_rows * row
+            if n == 0:  # any aligned offset at the cursor; it moves nothing
+                continue
+            top = world_size * S - n
+            ends = {o + n for e in ends for o in range(_up(e, align), top + 1, align) if _admissible(o, n, row, S, world_size)}
+            if not ends:
+                break
+        if ends:
+            return S
+        S += align
+
+
 def optimal_layout(shapes, world_size: int, align: int, s_max: int) -> BufferLayout:
     S = exact_optimal_shard(shapes, world_size, align, s_max)
     assert S is not None
@@ -431,21 +467,21 @@ def test_exact_optimum_is_a_valid_layout(variant, align, world_size):
 def test_handwritten_single_vector():
     layout = plan_layout([(10,)], 4, align=1)
     check_layout(layout, [(10,)], 4, 1)
-    assert layout.shard_numel == 3
-    assert layout.rows_per_rank(0) == (3, 3, 3, 1)
-    assert [(p.row_start, p.row_end) for p in (layout.piece(0, r) for r in range(4))] == [
-        (0, 3), (3, 6), (6, 9), (9, 10),
-    ]
-    assert layout.padding_numel == 2
+    assert layout.shard_numel == brute_min_shard([(10,)], 4, 1)
+    # Pieces are consecutive row ranges covering the vector (check_layout recomputed each one).
+    pieces = [layout.piece(0, r) for r in range(4)]
+    assert pieces[0].row_start == 0 and pieces[-1].row_end == 10
+    assert all(a.row_end == b.row_start for a, b in zip(pieces, pieces[1:]))
 
 
 def test_handwritten_long_row_kept_whole():
     shapes = [(1, 1000), (8, 4)]  # T = 1032, T/N = 129 < 1000
     layout = plan_layout(shapes, 8, align=4)
     check_layout(layout, shapes, 8, 4)
-    assert layout.shard_numel == 1000
-    assert layout.rows_per_rank(0) == (1, 0, 0, 0, 0, 0, 0, 0)
-    assert layout.rows_per_rank(1) == (0, 8, 0, 0, 0, 0, 0, 0)
+    # S >= the longest row is forced by the rules (a longer row would contain a boundary), so the
+    # minimum is S = 1000 = the row, and the long-row parameter sits on one rank.
+    assert layout.shard_numel == brute_min_shard(shapes, 8, 4) == 1000
+    assert sum(1 for k in layout.rows_per_rank(0) if k) == 1
     assert any("1000" in note and "whole" in note for note in layout.notes)
     # Padding is N*1000 - T = 6968: far above sum(lcm - 1 + align - 1) + N*M + N*align = 1072, so the
     # plain documented bound needs the N*longest - T term when a long row sets S.
@@ -458,8 +494,8 @@ def test_handwritten_long_rows_multi_row_param_one_row_per_rank():
     shapes = [(2, 1000), (8, 4)]
     layout = plan_layout(shapes, 8, align=4)
     check_layout(layout, shapes, 8, 4)
-    assert layout.shard_numel == 1000
-    assert layout.rows_per_rank(0) == (1, 1, 0, 0, 0, 0, 0, 0)
+    assert layout.shard_numel == brute_min_shard(shapes, 8, 4) == 1000
+    assert sorted(layout.rows_per_rank(0), reverse=True)[:3] == [1, 1, 0]
 
 
 @pytest.mark.parametrize(
@@ -495,8 +531,10 @@ def test_single_rank_minimal_counterexample():
 
 
 def test_handwritten_single_rank_no_padding_when_aligned():
-    layout = plan_layout([(4, 4), (8,), (2, 2, 2)], 1, align=4)
-    assert layout.shard_numel == 32 and layout.padding_numel == 0
+    shapes = [(4, 4), (8,), (2, 2, 2)]  # sizes 16, 8, 8: all multiples of align, so T = 32 is reachable
+    layout = plan_layout(shapes, 1, align=4)
+    check_layout(layout, shapes, 1, 4)
+    assert layout.shard_numel == brute_min_shard(shapes, 1, 4) == 32 and layout.padding_numel == 0
 
 
 @pytest.mark.parametrize("world_size", [1, 3, 8])
@@ -504,6 +542,7 @@ def test_handwritten_zero_size_param(world_size):
     shapes = [(4, 3), (0, 7), (5,)]
     layout = plan_layout(shapes, world_size, align=4)
     check_layout(layout, shapes, world_size, 4)
+    assert layout.shard_numel == brute_min_shard(shapes, world_size, 4)
     for r in range(world_size):
         p = layout.piece(1, r)
         assert p.numel == 0 and p.num_rows == 0
@@ -513,12 +552,13 @@ def test_handwritten_zero_size_param(world_size):
 def test_handwritten_only_empty_params():
     layout = plan_layout([(0, 7), (0,)], 4, align=8)
     check_layout(layout, [(0, 7), (0,)], 4, 8)
-    assert layout.shard_numel == 8
+    assert layout.shard_numel == brute_min_shard([(0, 7), (0,)], 4, 8) == 8  # S > 0, a multiple of align
 
 
 def test_handwritten_scalar_param():
     layout = plan_layout([(), (6,)], 2, align=1)
     check_layout(layout, [(), (6,)], 2, 1)
+    assert layout.shard_numel == brute_min_shard([(), (6,)], 2, 1)
     assert layout.rows_per_rank(0) in {(1, 0), (0, 1)}
 
 
@@ -557,33 +597,84 @@ def test_result_multiple_bound_is_unattainable():
     layout = plan_layout(shapes, n, align)
     best = optimal_layout(shapes, n, align, layout.shard_numel)
     check_layout(best, shapes, n, align)
-    assert best.shard_numel == layout.shard_numel == 1680
-    assert best.padding_numel == 11130 > _result_bound(best) == 1950
+    assert best.shard_numel == layout.shard_numel == brute_min_shard(shapes, n, align) == 1680
+    assert best.padding_numel == 8 * 1680 - 22 * 105 > _result_bound(best) == (math.lcm(105, 16) - 1) + (16 - 1) + 8 * 16 + 8 * 16
 
 
 SUBOPTIMAL_SMALL = [
     # Pushed to start on a boundary, the param then crosses the next one; the planner folds 7 into
-    # the multiple (S=28, padding 63) although S=24 holds it whole on rank 0 (padding 51).
-    pytest.param([(3, 7)], 3, 4, 63, 51, id="3x7-N3"),
+    # the multiple (S=28) although S=24 holds it whole on rank 0.
+    pytest.param([(3, 7)], 3, 4, id="3x7-N3"),
     # N=2 has one boundary, but _place treats the buffer end (2*S) as a second one while the param
-    # overflows, folds 115 (S=11960, padding 1150); S=11736 with offset 696 gives padding 702.
-    pytest.param([(198, 115)], 2, 8, 1150, 702, id="198x115-N2"),
+    # overflows and folds 115 (S=11960); S=11736 with offset 696 is admissible.
+    pytest.param([(198, 115)], 2, 8, id="198x115-N2"),
 ]
 
 
-@pytest.mark.parametrize("shapes,world_size,align,planned,optimum", SUBOPTIMAL_SMALL)
-def test_result_multiple_bound_counterexamples(shapes, world_size, align, planned, optimum):
+@pytest.mark.parametrize("shapes,world_size,align", SUBOPTIMAL_SMALL)
+def test_result_multiple_bound_counterexamples(shapes, world_size, align):
     """The planner exceeds the result-multiple bound here although the optimum stays within it."""
     layout = plan_layout(shapes, world_size, align)
     check_layout(layout, shapes, world_size, align)
     best = optimal_layout(shapes, world_size, align, layout.shard_numel)
     check_layout(best, shapes, world_size, align)
-    assert best.padding_numel == optimum <= _result_bound(best)
-    assert layout.padding_numel == planned > _result_bound(layout)
+    assert best.shard_numel == brute_min_shard(shapes, world_size, align)
+    assert best.padding_numel <= _result_bound(best)
+    assert layout.padding_numel > _result_bound(layout)
     assert layout.padding_numel <= padding_bound(layout)  # the planner-multiple bound still holds
 
 
 @pytest.mark.xfail(strict=True, reason="planner folds a row into S's multiple where growing S is cheaper")
-@pytest.mark.parametrize("shapes,world_size,align,planned,optimum", SUBOPTIMAL_SMALL)
-def test_planner_reaches_optimum_small(shapes, world_size, align, planned, optimum):
-    assert plan_layout(shapes, world_size, align).padding_numel == optimum
+@pytest.mark.parametrize("shapes,world_size,align", SUBOPTIMAL_SMALL)
+def test_planner_reaches_optimum_small(shapes, world_size, align):
+    assert plan_layout(shapes, world_size, align).shard_numel == brute_min_shard(shapes, world_size, align)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. Minimality by brute force on every small case
+# ------------------------------------------------------------------------------------------------
+_SMALL_SHAPES = [(1,), (2,), (3,), (5,), (7,), (1, 3), (2, 3), (3, 2), (2, 4), (3, 5), (4, 3), (1, 6), (3, 7), (2, 2, 2), (0, 3)]
+SMALL_CASES = [
+    (shapes, n, align)
+    for k in (1, 2)
+    for shapes in itertools.product(_SMALL_SHAPES, repeat=k)
+    for n in (1, 2, 3, 4)
+    for align in (1, 2, 4)
+]
+
+
+def test_small_cases_valid_and_the_oracles_agree():
+    """On every small case (one or two params from a pool of small shapes, N <= 4, align <= 4):
+    the plan obeys the rules, its S is admissible to the brute force, it stays within the
+    documented bound, and exact_optimal_shard (the oracle for the Llama table) equals the brute
+    force's minimum."""
+    for shapes, n, align in SMALL_CASES:
+        layout = plan_layout(shapes, n, align)
+        check_layout(layout, shapes, n, align)
+        best = brute_min_shard(shapes, n, align)
+        assert best <= layout.shard_numel, (shapes, n, align)
+        assert layout.padding_numel <= padding_bound(layout), (shapes, n, align)
+        assert exact_optimal_shard(shapes, n, align, layout.shard_numel) == best, (shapes, n, align)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="not minimal on about 1 small case in 6: folds a row into S's multiple where growing S "
+    "is cheaper ([(2, 3)], N=2, align=4: S=12, minimum 8), treats the buffer end as a boundary "
+    "([(1,), (1, 3)], N=1, align=2: S=8, minimum 6), and the growth step overshoots ([(2, 4), (6,)], "
+    "N=2, align=1: S=9, minimum 8)",
+)
+def test_small_cases_planner_is_minimal():
+    worse = [(shapes, n, align) for shapes, n, align in SMALL_CASES if plan_layout(shapes, n, align).shard_numel != brute_min_shard(shapes, n, align)]
+    assert not worse, f"{len(worse)} of {len(SMALL_CASES)} small cases pad more than the minimum, e.g. {worse[:5]}"
+
+
+def test_brute_force_oracle_finds_known_minima():
+    """The brute force itself, on cases whose minimum follows from the rules by hand: one vector
+    of 10 over 4 ranks (S = ceil(10/4) = 3 holds it); a (2, 3) parameter over 2 ranks with align
+    4 (S = 4 cuts its 6 elements mid-row at 4 wherever it starts in [0, 2], so S = 8); and N = 1
+    (no boundaries: S = the aligned total)."""
+    assert brute_min_shard([(10,)], 4, 1) == 3
+    assert brute_min_shard([(2, 3)], 2, 4) == 8
+    assert brute_min_shard([(1,), (1, 3)], 1, 2) == 6
+    assert brute_min_shard([(2, 4), (6,)], 2, 1) == 8

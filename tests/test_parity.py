@@ -1,4 +1,5 @@
-"""Training parity with a single-process unsharded reference (fp32, 10 steps, rel. 1e-5)."""
+"""Training parity with a single-process unsharded reference (float64, 10 steps, REL_F64: see
+tests/models.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from mfsdp2 import FSDPModule, compat, fully_shard
 
 from ._dist import run_ranks
-from .models import assert_close_rel, build, make_opt, reference_run, sharded_train_step
+from .models import F64, REL_F64, assert_close_rel, assert_losses_close, build, make_opt, reference_run, sharded_train_step
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -18,7 +19,7 @@ GLOBAL_BATCH = 8
 
 def _train(rank, ws, kind, opt_kind, wrap):
     mesh = init_device_mesh("cpu", (ws,))
-    model = build(kind)
+    model = build(kind, dtype=F64)
     if wrap == "blocks+root":
         for b in model.blocks:
             fully_shard(b, mesh=mesh)
@@ -47,14 +48,13 @@ CASES = [
 
 @pytest.mark.parametrize("ws,kind,opt_kind,wrap", CASES)
 def test_parity_with_unsharded_reference(ws, kind, opt_kind, wrap):
-    ref_losses, ref_params = reference_run(kind, opt_kind, STEPS, GLOBAL_BATCH)
+    ref_losses, ref_params = reference_run(kind, opt_kind, STEPS, GLOBAL_BATCH, dtype=F64)
     results = run_ranks(_train, ws, kind, opt_kind, wrap)
     for rank, (losses, full) in enumerate(results):
-        for step, (a, b) in enumerate(zip(losses, ref_losses)):
-            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} vs reference {b}"
+        assert_losses_close(losses, ref_losses, f"rank {rank}", REL_F64)
         assert set(full) == set(ref_params)
         for name, ref in ref_params.items():
-            assert_close_rel(full[name], ref, f"rank {rank} {name}")
+            assert_close_rel(full[name], ref, f"rank {rank} {name}", REL_F64)
     # The reference must actually have moved, or the comparison proves nothing.
     assert ref_losses[-1] < ref_losses[0]
 
@@ -66,7 +66,7 @@ def _llama_losses(rank, ws, steps):
 
     cfg = LlamaConfig.tiny()
     torch.manual_seed(0)
-    model = Transformer(cfg)
+    model = Transformer(cfg).to(F64)
     if ws > 0:
         mesh = init_device_mesh("cpu", (ws,))
         for layer in model.layers:
@@ -97,17 +97,16 @@ def test_llama_tiny_parity():
     torch.set_num_threads(1)
     ref_losses, ref_params = _llama_losses(0, 0, STEPS)
     (losses, full), _ = run_ranks(_llama_losses, 2, STEPS)
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
+    assert_losses_close(losses, ref_losses, "llama", REL_F64)
     for name, ref in ref_params.items():
-        assert_close_rel(full[name], ref, name)
+        assert_close_rel(full[name], ref, name, REL_F64)
     assert ref_losses[-1] < ref_losses[0]
 
 
 def _int_reshard(rank, ws, k):
     """reshard_after_forward=k: backward gathers only inside blocks of k ranks."""
     mesh = init_device_mesh("cpu", (ws,))
-    model = build("net")
+    model = build("net", dtype=F64)
     for b in model.blocks:
         fully_shard(b, mesh=mesh, reshard_after_forward=k)
     fully_shard(model, mesh=mesh)
@@ -134,14 +133,13 @@ def _int_reshard(rank, ws, k):
 
 @pytest.mark.slow
 def test_reshard_after_forward_int_gathers_inside_rank_blocks():
-    ref_losses, ref_params = reference_run("net", "adamw", STEPS, GLOBAL_BATCH)
+    ref_losses, ref_params = reference_run("net", "adamw", STEPS, GLOBAL_BATCH, dtype=F64)
     results = run_ranks(_int_reshard, 4, 2)
     n_blocks = 3
     for rank, (losses, full, sizes) in enumerate(results):
-        for step, (a, b) in enumerate(zip(losses, ref_losses)):
-            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: {a} vs {b}"
+        assert_losses_close(losses, ref_losses, f"rank {rank}", REL_F64)
         for name, ref in ref_params.items():
-            assert_close_rel(full[name], ref, f"rank {rank} {name}")
+            assert_close_rel(full[name], ref, f"rank {rank} {name}", REL_F64)
         # Last step: root + blocks gathered over all 4 ranks in forward; blocks re-gathered in
         # backward inside their block of 2 ranks only.
         assert sizes == [2] * n_blocks + [4] * (n_blocks + 1), sizes
@@ -177,7 +175,7 @@ def _routed_data(step):
 
 def _routed_train(rank, ws, steps):
     torch.manual_seed(0)
-    model = _Routed()
+    model = _Routed().to(F64)
     if ws:
         mesh = init_device_mesh("cpu", (ws,))
         # The experts stay inside one unit (as in a decoder layer): a unit that runs on some ranks
@@ -185,7 +183,7 @@ def _routed_train(rank, ws, steps):
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(steps):
-        x, y = _routed_data(step)
+        x, y = (t.to(F64) for t in _routed_data(step))
         n = 8 // max(ws, 1)
         if ws:
             x, y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
@@ -203,4 +201,4 @@ def test_parameters_used_on_some_ranks_only_train_like_the_reference():
     ref = _routed_train(0, 0, 4)
     for full in run_ranks(_routed_train, 2, 4):
         for k, r in ref.items():
-            torch.testing.assert_close(full[k], r, rtol=1e-5, atol=1e-6, msg=k)
+            assert_close_rel(full[k], r, k, REL_F64)

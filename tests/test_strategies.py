@@ -1,10 +1,10 @@
 """Sharding strategies (ZeRO-1/2/3, no_shard): parity with the unsharded reference, bytes owned
 per rank against the ZeRO formulas, bf16 compute with fp32 main weights against a reference that
-makes the same casts, and gradient divide factors against exact multiples of the reference."""
+makes the same casts, and gradient divide factors against exact multiples of the reference.
+Parity runs in float64 (to REL_F64, see tests/models.py); the bf16 test's tolerance comes from the
+spread between two legitimate orderings of its own reference."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from mfsdp2 import MixedPrecisionPolicy, compat, fully_shard
 
 from ._dist import run_ranks
-from .models import assert_close_rel, batch, build, local_grad_rows, loss_fn, make_opt, reference_run, sharded_train_step
+from .models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, local_grad_rows, loss_fn, make_opt, reference_run, rel_dist, same_cast_tolerances, sharded_train_step
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 STEPS = 6
@@ -32,9 +32,9 @@ def _groups(model):
     return [g for m in model.modules() if hasattr(m, "_mfsdp2_state") for g in m._mfsdp2_state.groups]
 
 
-def _formula(strategy: str, n_params: int, ws: int, b: int = 4) -> dict[str, float]:
-    """The ZeRO paper's per-rank bytes (fp32 training: no separate master copy), Adam's two
-    states. Psi = ``n_params``; N = ``ws``."""
+def _formula(strategy: str, n_params: int, ws: int, b: int = 8) -> dict[str, float]:
+    """The ZeRO paper's per-rank bytes (single-precision training, here float64, ``b`` bytes per
+    element: no separate master copy), Adam's two states. Psi = ``n_params``; N = ``ws``."""
     psi = n_params * b
     shard = psi / ws
     return {
@@ -59,14 +59,14 @@ def _strategies_run(rank, ws, kind):
     mesh = init_device_mesh("cpu", (ws,))
     results = {}
     for strategy in STRATEGIES:
-        model = _wrap(build(kind), mesh, strategy)
+        model = _wrap(build(kind, dtype=F64), mesh, strategy)
         opt = make_opt("adamw", model.parameters())
         losses = []
         for step in range(STEPS):
             if step == STEPS - 1:
                 # Bytes owned after backward (grads alive), before the optimizer step.
                 n = GLOBAL_BATCH // ws
-                x, y = batch(step, GLOBAL_BATCH, model.inp.in_features)
+                x, y = batch(step, GLOBAL_BATCH, model.inp.in_features, dtype=F64)
                 loss = loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
                 loss.backward()
                 opt.step()  # creates / updates the states; grads still alive
@@ -94,16 +94,15 @@ def _strategies_run(rank, ws, kind):
     "ws,kind", [(2, "net"), pytest.param(4, "net", marks=pytest.mark.slow), pytest.param(4, "tiny", marks=pytest.mark.slow)]
 )
 def test_strategies_match_reference_and_zero_memory_formulas(ws, kind):
-    ref_losses, ref_params = reference_run(kind, "adamw", STEPS, GLOBAL_BATCH)
+    ref_losses, ref_params = reference_run(kind, "adamw", STEPS, GLOBAL_BATCH, dtype=F64)
     assert ref_losses[-1] < ref_losses[0]
     results = run_ranks(_strategies_run, ws, kind)
     for rank, per_strategy in enumerate(results):
         for strategy, (losses, full, stats, layout, optim_bytes) in per_strategy.items():
             where = f"{strategy} rank {rank}"
-            for step, (a, b) in enumerate(zip(losses, ref_losses)):
-                assert abs(a - b) <= 1e-5 * abs(b), f"{where} step {step}: loss {a} vs reference {b}"
+            assert_losses_close(losses, ref_losses, where, REL_F64)
             for name, ref in ref_params.items():
-                assert_close_rel(full[name], ref, f"{where} {name}")
+                assert_close_rel(full[name], ref, f"{where} {name}", REL_F64)
             # Bytes owned per rank: the ZeRO formula on the padded element counts, exactly ...
             P, S = layout["P"], layout["S"]
             params = stats["model_weight_bytes"] + stats["main_weight_bytes"]
@@ -115,7 +114,7 @@ def test_strategies_match_reference_and_zero_memory_formulas(ws, kind):
             assert grads == exact["grads"], (where, grads, exact)
             # ... and on the unpadded parameter count, within the layout's padding.
             paper = _formula(strategy, layout["numel"], ws)
-            pad = 4 * (P - layout["numel"])
+            pad = 8 * (P - layout["numel"])
             assert abs(params - paper["params"]) <= pad, (where, params, paper)
             assert abs(grads - paper["grads"]) <= pad, (where, grads, paper)
             if kind == "net":  # (tiny's empty pieces hold no Adam states: fewer bytes)
@@ -167,38 +166,6 @@ def test_optim_grads_gathers_once_per_optimizer_step():
 
 
 # -- bf16 compute, fp32 main weights -----------------------------------------------------------
-def _same_cast_reference(steps, ws):
-    """Unsharded, fp32 master weights; each step casts them to a bf16 copy, runs every rank's
-    micro-batch on it in bf16 (inputs cast to bf16), casts the grads to fp32 and averages them
-    (the policy's reduce_dtype=fp32), and steps AdamW on the fp32 masters."""
-    torch.set_num_threads(1)
-    master = build("net")
-    work = copy.deepcopy(master).to(torch.bfloat16)
-    opt = make_opt("adamw", master.parameters())
-    n = GLOBAL_BATCH // ws
-    losses = []
-    for step in range(steps):
-        with torch.no_grad():
-            for pw, pm in zip(work.parameters(), master.parameters()):
-                pw.copy_(pm)
-        x, y = batch(step, GLOBAL_BATCH, 12)
-        grads = [torch.zeros_like(p) for p in master.parameters()]
-        total = 0.0
-        for r in range(ws):
-            work.zero_grad()
-            loss = loss_fn(work(x[r * n : (r + 1) * n].to(torch.bfloat16)).float(), y[r * n : (r + 1) * n])
-            loss.backward()
-            total += loss.item()
-            for g, pw in zip(grads, work.parameters()):
-                g += pw.grad.float() / ws
-        for pm, g in zip(master.parameters(), grads):
-            pm.grad = g
-        opt.step()
-        opt.zero_grad()
-        losses.append(total / ws)
-    return losses, {k: v.detach().clone() for k, v in master.named_parameters()}
-
-
 def _bf16_run(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -214,23 +181,27 @@ def _bf16_run(rank, ws):
 
 def test_bf16_compute_fp32_main_weights_match_same_cast_reference():
     ws = 2
-    ref_losses, ref_params = _same_cast_reference(STEPS, ws)
-    fp32_losses, _ = reference_run("net", "adamw", STEPS, GLOBAL_BATCH)
+    # Tolerances from the reference itself (see same_cast_tolerances): 2x the spread between ws
+    # micro-batches and one, per parameter and for the losses.
+    ref_losses, ref_params, loss_tol, tol = same_cast_tolerances(STEPS, ws, GLOBAL_BATCH)
     for per_strategy in run_ranks(_bf16_run, ws):
         for strategy, (losses, full) in per_strategy.items():
-            for step, (a, b) in enumerate(zip(losses, ref_losses)):
-                assert abs(a - b) <= 1e-4 * abs(b), f"{strategy} step {step}: {a} vs {b}"
+            assert_losses_close(losses, ref_losses, strategy, loss_tol)
             for name, ref in ref_params.items():
-                assert_close_rel(full[name], ref, f"{strategy} {name}", rel=1e-4)
-    # The comparison is sharp enough to see bf16: the same-cast reference differs from fp32.
-    assert max(abs(a - b) / abs(b) for a, b in zip(ref_losses, fp32_losses)) > 1e-4
+                assert_close_rel(full[name], ref, f"{strategy} {name}", rel=tol[name])
+    # The comparison is sharp enough to see bf16: fp32 compute falls outside the tolerance, for
+    # the losses and for most parameters.
+    fp32_losses, fp32_params = reference_run("net", "adamw", STEPS, GLOBAL_BATCH)
+    assert max(abs(a - b) / abs(b) for a, b in zip(fp32_losses, ref_losses)) > loss_tol
+    outside = [k for k, r in ref_params.items() if rel_dist(fp32_params[k], r) > tol[k]]
+    assert len(outside) > len(ref_params) // 2, (outside, tol)
 
 
 # -- gradient divide factor ------------------------------------------------------------------
 def _reference_grads():
     torch.set_num_threads(1)
-    model = build("net")
-    x, y = batch(0, GLOBAL_BATCH, 12)
+    model = build("net", dtype=F64)
+    x, y = batch(0, GLOBAL_BATCH, 12, dtype=F64)
     loss_fn(model(x), y).backward()
     return {k: p.grad.clone() for k, p in model.named_parameters()}
 
@@ -239,9 +210,9 @@ def _divide_run(rank, ws, mesh_shape, strategy):
     mesh = init_device_mesh("cpu", mesh_shape)
     out = {}
     n = GLOBAL_BATCH // ws
-    x, y = batch(0, GLOBAL_BATCH, 12)
+    x, y = batch(0, GLOBAL_BATCH, 12, dtype=F64)
     for factor in (None, 1.0, 3.0):
-        model = _wrap(build("net"), mesh, strategy)
+        model = _wrap(build("net", dtype=F64), mesh, strategy)
         model.set_gradient_divide_factor(factor)
         loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
         out[factor] = {k: local_grad_rows(p) for k, p in model.named_parameters()}
@@ -262,7 +233,7 @@ def test_gradient_divide_factor_sum_and_custom(mesh_shape, strategy):
             scale = 1.0 if factor is None else ws / factor
             for name, (start, g) in grads.items():
                 expect = ref[name][start : start + g.shape[0]] * scale
-                assert_close_rel(g, expect, f"factor {factor} {name}")
+                assert_close_rel(g, expect, f"factor {factor} {name}", REL_F64)
 
 
 # -- checkpoints -------------------------------------------------------------------------------
@@ -274,7 +245,7 @@ def _checkpoint_run(rank, ws, path):
     mesh = init_device_mesh("cpu", (ws,))
     out = {}
     for strategy in STRATEGIES:
-        model = _wrap(build("net"), mesh, strategy)
+        model = _wrap(build("net", dtype=F64), mesh, strategy)
         opt = make_opt("adamw", model.parameters())
         for step in range(2):
             sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH)
@@ -311,13 +282,13 @@ def _checkpoint_run(rank, ws, path):
 
 
 def test_checkpoint_round_trip_for_every_strategy(tmp_path):
-    _, ref_after = reference_run("net", "adamw", 3, GLOBAL_BATCH)
+    _, ref_after = reference_run("net", "adamw", 3, GLOBAL_BATCH, dtype=F64)
     for per_strategy in run_ranks(_checkpoint_run, 2, str(tmp_path)):
         for strategy, (saved, after) in per_strategy.items():
             assert saved.keys() == after.keys() == ref_after.keys()
             for k in saved:
                 # Zeroed after the save, loaded back, one more step: exactly the uninterrupted run.
-                assert_close_rel(after[k], ref_after[k], f"{strategy} {k} after save / zero / load / step")
+                assert_close_rel(after[k], ref_after[k], f"{strategy} {k} after save / zero / load / step", REL_F64)
 
 
 # -- gradient accumulation without sync --------------------------------------------------------
@@ -326,10 +297,10 @@ def _no_sync_run(rank, ws):
     out = {}
     n = GLOBAL_BATCH // ws
     for strategy in STRATEGIES:
-        model = _wrap(build("net"), mesh, strategy)
+        model = _wrap(build("net", dtype=F64), mesh, strategy)
         for micro in range(3):
             model.set_requires_gradient_sync(micro == 2)
-            x, y = batch(micro, GLOBAL_BATCH, 12)
+            x, y = batch(micro, GLOBAL_BATCH, 12, dtype=F64)
             loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
             if micro < 2:
                 assert all(p.grad is None for p in model.parameters()), "grads exposed before the sync"
@@ -339,12 +310,12 @@ def _no_sync_run(rank, ws):
 
 def test_accumulation_without_sync_for_every_strategy():
     torch.set_num_threads(1)
-    ref_model = build("net")
+    ref_model = build("net", dtype=F64)
     for micro in range(3):
-        x, y = batch(micro, GLOBAL_BATCH, 12)
+        x, y = batch(micro, GLOBAL_BATCH, 12, dtype=F64)
         loss_fn(ref_model(x), y).backward()
     ref = {k: p.grad for k, p in ref_model.named_parameters()}
     for per_strategy in run_ranks(_no_sync_run, 2):
         for strategy, grads in per_strategy.items():
             for name, (start, g) in grads.items():
-                assert_close_rel(g, ref[name][start : start + g.shape[0]], f"{strategy} {name}")
+                assert_close_rel(g, ref[name][start : start + g.shape[0]], f"{strategy} {name}", REL_F64)

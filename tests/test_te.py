@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from mfsdp2 import fully_shard
 
 from ._dist import run_ranks
-from .models import assert_close_rel, batch, local_grad_rows, loss_fn
+from .models import F64, REL_F64, assert_close_rel, batch, local_grad_rows, loss_fn
 
 
 class _TELinearFn(torch.autograd.Function):
@@ -94,12 +94,12 @@ GLOBAL_BATCH = 8
 
 def _reference(micro_batches: int, steps: int):
     torch.set_num_threads(1)
-    model = TENet(fuse=False)
+    model = TENet(fuse=False).to(F64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     grads = None
     for step in range(steps):
         for m in range(micro_batches):
-            x, y = batch(step * micro_batches + m, GLOBAL_BATCH, 12)
+            x, y = batch(step * micro_batches + m, GLOBAL_BATCH, 12, dtype=F64)
             loss_fn(model(x), y).backward()
         if step == 0:
             grads = {k: p.grad.clone() for k, p in model.named_parameters()}
@@ -110,7 +110,7 @@ def _reference(micro_batches: int, steps: int):
 
 def _run(rank, ws, fuse, strategy, micro_batches, steps):
     mesh = init_device_mesh("cpu", (ws,))
-    model = TENet(fuse)
+    model = TENet(fuse).to(F64)
     for b in model.blocks:
         fully_shard(b, mesh=mesh, sharding_strategy=strategy)
     fully_shard(model, mesh=mesh, sharding_strategy=strategy)
@@ -120,7 +120,7 @@ def _run(rank, ws, fuse, strategy, micro_batches, steps):
     for step in range(steps):
         for m in range(micro_batches):
             model.set_requires_gradient_sync(m == micro_batches - 1)
-            x, y = batch(step * micro_batches + m, GLOBAL_BATCH, 12)
+            x, y = batch(step * micro_batches + m, GLOBAL_BATCH, 12, dtype=F64)
             loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
         if step == 0:
             grads = {k: local_grad_rows(p) for k, p in model.named_parameters()}
@@ -131,7 +131,7 @@ def _run(rank, ws, fuse, strategy, micro_batches, steps):
     return grads, {k: p.full_tensor() for k, p in model.named_parameters()}
 
 
-def _close(a, b, name, rel=1e-5):
+def _close(a, b, name, rel=REL_F64):  # float64: see tests/models.py
     assert torch.isfinite(a).all(), f"{name}: TE's placeholder gradient was counted"
     assert_close_rel(a, b, name, rel)
 
