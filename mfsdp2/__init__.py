@@ -9,7 +9,11 @@ from .diagnostics import check_buffers, check_finite_grads, describe, grad_norms
 from .layout import BufferLayout, plan_layout
 from .meta_init import materialize
 from .mixed_precision import MixedPrecisionPolicy
-from .module import FSDPModule, UnshardHandle, fully_shard
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .fully_shard import fully_shard
+from . import module as _module
+
+_module.fully_shard = fully_shard  # ``mfsdp2.module.fully_shard`` (where it used to live) keeps working
 from .placement import RowShard
 from .trace_pool import TracePoolAllocator
 
@@ -18,6 +22,8 @@ __all__ = [
     "materialize",
     "FSDPModule",
     "UnshardHandle",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
     "MixedPrecisionPolicy",
     "RowShard",
     "BufferLayout",

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -129,7 +129,7 @@ def lazy_init(state: FSDPState) -> None:
     states = []
     for path, m in state.module.named_modules():
         s = unit_state(m)
-        if s is not None:
+        if s is not None and s not in states:  # fully_shard([a, b]): one unit, several modules
             s.name = path or "root"  # names in traces, allocator keys and errors
             for g in s.groups:
                 g.unit_name = s.name
@@ -175,7 +175,7 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     backward_recompute = recompute and grad and not state.forward_with_grad
     if backward_recompute:
         state.backward_via_recompute = True  # learned: predict this unit's backward from now on
-        _pre_backward(state)
+        _pre_backward(state, need_weights=True)  # the recompute itself computes with them
     elif recompute:  # its pre-backward hook already gathered it; this only covers odd orders
         unshard_async(state)
         wait_unshard(state)
@@ -194,6 +194,9 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
                     g.release_main_grad()
             # A step begins: the trace-pool allocator keeps one plan per kind of step.
             ctx.allocator.mark_step(("train" if grad else "eval", state.requires_gradient_sync))
+            _wait_post_optim_event(ctx)
+            for s in ctx.states:
+                s.forward_to_run = {id(m) for m in s.modules}
             _agree_on_gathers(ctx)
         state.training_state = TrainingState.FORWARD
         prefetch = ctx.schedule.on_forward(state)
@@ -214,6 +217,17 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     if state.mp.param_dtype is not None and state.mp.cast_forward_inputs:
         args, kwargs = tree_map(functools.partial(_cast, dtype=state.mp.param_dtype), (args, kwargs))
     return args, kwargs
+
+
+def _wait_post_optim_event(ctx: RootContext) -> None:
+    """``set_post_optim_event``: order this step's first gathers after the user's event (used
+    once, then dropped, as in FSDP2). On CUDA the current stream waits on it; the side streams keep
+    waiting on the current stream too (our buffer reuse rule relies on that wait), so the event
+    adds a dependency but cannot remove the current-stream one. CPU collectives are issued in
+    program order after the optimizer step already, so there it is only dropped."""
+    event, ctx.post_optim_event = ctx.post_optim_event, None
+    if event is not None and ctx.root.comm.device.type != "cpu":
+        event.wait()
 
 
 def _agree_on_gathers(ctx: RootContext) -> None:
@@ -263,7 +277,8 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
         return _cast_output(state, output)
     ctx = state.ctx
     grad = torch.is_grad_enabled()
-    if not state.is_root and (state.reshard_after_forward or not grad):
+    last = _last_of_group(state, module)
+    if not state.is_root and (state.reshard_after_forward or not grad) and last:
         reshard(state, to_group=grad and state.post_forward_comm is not None)
     state.training_state = TrainingState.IDLE
     backward_follows = False
@@ -282,10 +297,30 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     if state.is_root:
         ctx.schedule.end_forward(record=grad)
         for s in ctx.states:
+            if len(s.modules) > 1 and len(s.forward_to_run) != len(s.modules):
+                # A grouped unit some of whose modules did not run in this forward (chunked loss:
+                # the head runs later, per chunk): its forward ends with the root's, as in FSDP2.
+                s.forward_to_run = {id(m) for m in s.modules}
+                if s.reshard_after_forward and s.shard_state is not ShardState.SHARDED:
+                    reshard(s)
+        for s in ctx.states:
             # Eval passes keep nothing gathered; training passes drop mispredicted prefetches.
             if s.shard_state is not ShardState.SHARDED and (not grad or not s.forward_with_grad):
                 reshard(s)
     return _cast_output(state, output)
+
+
+def _last_of_group(state: FSDPState, module: nn.Module) -> bool:
+    """Whether ``module``'s forward completes its unit's forwards of this pass. A unit of several
+    modules (``fully_shard([a, b])``) stays gathered until each has run (or the root's forward
+    ends), so running them in a row costs one all-gather, as in FSDP2."""
+    if len(state.modules) == 1:
+        return True
+    state.forward_to_run.discard(id(module))
+    if state.forward_to_run:
+        return False
+    state.forward_to_run = {id(m) for m in state.modules}
+    return True
 
 
 def _cast_output(state: FSDPState, output: Any) -> Any:
@@ -299,19 +334,28 @@ def _pre_backward_hook(state: FSDPState, *unused: Any) -> None:
     _pre_backward(state)
 
 
-def _pre_backward(state: FSDPState) -> None:
-    """Queue the final callback once per backward, gather this unit, prefetch the next ones."""
+def _pre_backward(state: FSDPState, need_weights: Optional[bool] = None) -> None:
+    """Queue the final callback once per backward, gather this unit, prefetch the next ones.
+
+    ``set_unshard_in_backward(False)`` (an embedding: its backward reads the indices, never the
+    weight) skips the gather: the unsharded parameters (views of a freed buffer) only receive
+    gradients, which autograd never checks against the storage."""
+    if need_weights is None:
+        need_weights = state.unshard_in_backward
     ctx = state.ctx
     if not ctx.callback_queued:
         ctx.callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))
     state.training_state = TrainingState.PRE_BACKWARD
     prefetch = ctx.schedule.on_backward(state)
-    unshard_async(state)
+    if need_weights:
+        unshard_async(state)
     for s in prefetch:
-        if s.forward_with_grad or s.expect_backward:  # never gather a unit no backward will use
+        # never gather a unit no backward will use
+        if (s.forward_with_grad or s.expect_backward) and s.unshard_in_backward:
             unshard_async(s)
-    wait_unshard(state)
+    if need_weights:
+        wait_unshard(state)
     for i, g in enumerate(state.groups):
         if g.te_fused:  # TransformerEngine writes wgrads into param.main_grad: our buffer
             attach_main_grads(g, ctx.allocator, (state.name, i))
@@ -349,7 +393,7 @@ def post_backward(state: FSDPState) -> None:
                     if state in q:
                         q.remove(state)
                 ctx.reduce_queue.append(state)
-                _drain(ctx, keep=1)
+                _drain(ctx, keep=state.max_reduce_in_flight)
     if state.reshard_after_backward:
         reshard(state)
     state.post_backward_done = True

@@ -1,51 +1,51 @@
-"""``fully_shard`` and the ``FSDPModule`` mixin it swaps into a module's class.
+"""The ``FSDPModule`` mixin ``fully_shard`` swaps into a module's class, and FSDP2's module-level
+helpers (``register_fsdp_forward_method``, ``share_comm_ctx``).
 
-``fully_shard(module)`` makes ``module`` a *unit*: its own parameters (not those of units nested
-below it, which must be wrapped first) are grouped by (dtype, requires_grad) into
-:class:`~mfsdp2.param_group.ParameterGroup` s, replaced on the module by row-sharded DTensor
-parameters for the optimizer, and the module's class becomes ``FSDP<Cls>`` so the FSDP2 methods
-(``unshard``, ``reshard``, ``set_requires_gradient_sync``, ...) are available on it.
+Every public method of torch 2.13's ``FSDPModule`` exists here. Most do what FSDP2's do; the few
+that configure machinery mfsdp2 does not have (symmetric memory, process-group allocators, a
+separate reduce-scatter group) do the nearest honest thing, said in their docstrings and in
+docs/design.md ("FSDP2's API surface"). ``fully_shard`` itself lives in :mod:`mfsdp2.fully_shard`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Optional, Union
+from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from . import dtensor_ops  # noqa: F401  (copy_ into RowShard parameters)
 from .allocator import BucketAllocator
-from .comm import Communicator
+from .custom_comm import CustomCommunicator
 from .hooks import lazy_init, post_forward, pre_forward, reset, reshard, unshard_async, wait_unshard
-from .mixed_precision import MixedPrecisionPolicy
-from .param_group import GroupConfig, ParameterGroup, ParamInfo
-from .shared_params import adopt_shared, mark_owned
 from .state import FSDPState
-from .state_dict import register_state_dict_hooks
-from .strategy import ShardingStrategy, Topology
-from .tensor_parallel import TPSpec, tp_spec_of
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 logger = logging.getLogger(__name__)
 
-_communicators: dict = {}
-_class_cache: dict[type, type] = {}
+_logged: set = set()
+
+
+def _log_once(key: str, msg: str, *args) -> None:
+    """INFO, once per process: settings mfsdp2 accepts but has no machinery for."""
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(msg, *args)
 
 
 class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard."""
 
-    def __init__(self, state: FSDPState):
+    def __init__(self, state: Optional[FSDPState] = None):
         self._state = state
 
     def wait(self) -> None:
-        wait_unshard(self._state)
+        if self._state is not None:
+            wait_unshard(self._state)
+            self._state = None  # as FSDP2's: keep no reference after the wait
 
 
 class FSDPModule:
@@ -55,7 +55,11 @@ class FSDPModule:
 
     def _units(self, recurse: bool):
         mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
-        return [m._mfsdp2_state for m in mods if isinstance(m, FSDPModule)]
+        units = []
+        for m in mods:  # a unit of several modules (fully_shard([a, b])) is met once per module
+            if isinstance(m, FSDPModule) and m._mfsdp2_state not in units:
+                units.append(m._mfsdp2_state)
+        return units
 
     def _apply(self, fn, recurse: bool = True):
         """``to_empty`` / ``.to()`` / ``.double()`` / ``.cuda()`` ... after ``fully_shard``: convert
@@ -94,6 +98,145 @@ class FSDPModule:
         for s in self._units(recurse):
             for g in s.groups:
                 g.mark_changed()
+
+    def reset_iter_state(self) -> None:
+        """FSDP2's name for :meth:`reset`: call it on the root after ``forward()`` or ``backward()``
+        raised; the failed iteration's gradients (no-sync accumulation, HSDP partial sums
+        included) are dropped. On a unit that is not the root it raises, as FSDP2's does."""
+        state = self._mfsdp2_state
+        if state.ctx is not None and not state.is_root:
+            raise RuntimeError(
+                f"mfsdp2: reset_iter_state() called on {state.name!r}, which is not the root; call it on "
+                f"the root module ({state.ctx.root.name!r}), whose reset covers every unit under it"
+            )
+        self.reset()
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next root forward orders its all-gathers after ``event`` (recorded after the
+        optimizer step), then drops it: pass a new event each iteration. On CUDA the current
+        stream waits on it; mfsdp2's gather streams still wait on the current stream as well (its
+        buffer reuse relies on that), so the event adds an ordering but removes none. On CPU the
+        step already precedes the gathers in program order and the event is dropped."""
+        state = self._mfsdp2_state
+        lazy_init(state)
+        state.ctx.post_optim_event = event
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: this unit's backward needs none of its weights (an embedding reads only the
+        indices), so its pre-backward all-gather is skipped; gradients are still reduced. Wrong
+        for a module whose backward reads the weights (autograd would read freed memory: an
+        error or garbage), exactly as in FSDP2. Not recursive."""
+        self._mfsdp2_state.unshard_in_backward = bool(unshard_in_backward)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        """Call ``hook(reduced)`` on each reduction's result, in place, before it is divided
+        (``set_force_sum_reduction_for_comms``) and added to the gradients: the reduce-scatter
+        output (this rank's flat shard, padding included) with plain FSDP, the all-reduce output
+        with HSDP, the all-reduced full gradient with ``optim`` / ``no_shard`` -- FSDP2's place
+        (e.g. a custom all-reduce across replicas). Every (dtype, requires_grad) group of the unit
+        calls it with its own buffer. ``stream``: the hook runs on the current stream after the
+        reduction was waited; a given stream is made to wait on it and the hook runs there."""
+        if stream is not None and any(g.replicate_comm is not None for g in self._mfsdp2_state.groups):
+            raise ValueError("mfsdp2: set_all_reduce_hook(stream=...) cannot be used with HSDP (as in FSDP2)")
+        run = hook
+        if stream is not None:
+            def run(t: torch.Tensor) -> None:
+                stream.wait_stream(torch.cuda.current_stream(t.device))
+                with torch.cuda.stream(stream):
+                    hook(t)
+                torch.cuda.current_stream(t.device).wait_stream(stream)
+        for g in self._mfsdp2_state.groups:
+            g.all_reduce_hook = run
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's deprecated name of :meth:`set_gradient_divide_factor` (this unit only, as FSDP2's)."""
+        self.set_gradient_divide_factor(factor, recurse=False)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """True: every collective of this unit's gradient reduction sums (``ReduceOp.SUM``), and
+        the result is divided afterwards by the divide factor (default: every data-parallel rank)
+        -- no AVG or PREMUL_SUM on the wire, as NCCL's zero-copy paths need. Not recursive."""
+        for g in self._mfsdp2_state.groups:
+            g.force_sum = bool(enable) or getattr(g, "_custom_rs", False)
+
+    def _customise_comm(self, what: str, obj) -> None:
+        state = self._mfsdp2_state
+        for g in state.groups:
+            if g.fp8 is not None:
+                raise ValueError(
+                    f"mfsdp2: set_custom_{what} on {state.name!r}, which gathers in float8 "
+                    "(all_gather_dtype): its float8 bytes use mfsdp2's own collectives; drop one of the two"
+                )
+            if what == "reduce_scatter" and g.full_grads:
+                raise ValueError(
+                    f"mfsdp2: set_custom_reduce_scatter on {state.name!r}: sharding_strategy="
+                    f"{g.strategy.value!r} reduces full gradients by all-reduce, there is no reduce-scatter to replace"
+                )
+        for g in state.groups:
+            w = g.weights
+            cur = w.comm if isinstance(w.comm, CustomCommunicator) else CustomCommunicator(w.comm)
+            setattr(cur, f"custom_{what}", obj)
+            w.comm = cur
+            if what == "reduce_scatter":
+                g._custom_rs = obj is not None
+                g.force_sum = g.force_sum or g._custom_rs  # the object gets SUM; mfsdp2 divides after
+
+    def set_custom_all_gather(self, comm) -> None:
+        """Issue this unit's all-gathers through ``comm`` (torch's ``AllGather`` interface):
+        ``comm(output, input, group, async_op)`` with mfsdp2's buffers -- the output is the
+        unit's gathered storage (its parameters are views of it) and the input this rank's slice
+        of it; ``comm.allocate`` is not called (the buffers come from mfsdp2's allocator). The
+        in-block regather of ``reshard_after_forward=<int>`` stays mfsdp2's."""
+        self._customise_comm("all_gather", comm)
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """Issue this unit's reduce-scatters through ``comm`` (torch's ``ReduceScatter``
+        interface): ``comm(output, input, group, op, async_op)`` with mfsdp2's flat gradient buffer
+        and shard-size output. ``op`` is always ``ReduceOp.SUM`` and mfsdp2 divides afterwards (AVG
+        and PREMUL_SUM exist on NCCL only); ``comm.allocate`` is not called."""
+        self._customise_comm("reduce_scatter", comm)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """mfsdp2 always does what True asks: a parameter without a local gradient contributes
+        zeros, so every rank issues the same reduction (and parameters no rank used keep
+        ``grad=None``). False is accepted too (FSDP2 would then leave them out of the collective,
+        which only works when every rank uses the same parameters) and changes nothing."""
+        if not reduce_scatter_unused_params:
+            _log_once("unused", "mfsdp2: set_reduce_scatter_unused_params(False): unused parameters are always "
+                      "reduced as zeros in mfsdp2 (same collectives on every rank)")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many reductions may stay in flight after this unit issues its own (default 1:
+        issuing one finishes the oldest). Each in-flight reduction holds its own flat gradient
+        buffer from the allocator, so a larger value trades memory for overlap with backward."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"mfsdp2: max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"mfsdp2: max_input_buffers must be >= 1, got {max_input_buffers}")
+        for s in self._units(recurse):
+            s.max_reduce_in_flight = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Accepted; mfsdp2 keeps one process group per mesh dimension. Its reduce-scatters already
+        run on their own CUDA stream (and on gloo as point-to-point exchanges on gloo's threads);
+        on NCCL they share the all-gathers' communicator, which serialises the two on the wire."""
+        if enable:
+            _log_once("separate_rs", "mfsdp2: set_separate_reduce_scatter_group: reduce-scatters share the "
+                      "all-gathers' process group in mfsdp2 (own stream, same communicator)")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted; mfsdp2 takes every communication buffer from its own allocator
+        (``fully_shard(root, allocator=...)``), never from the process group's."""
+        if enable:
+            _log_once("pg_alloc", "mfsdp2: communication buffers come from mfsdp2's allocator, not the process group's")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted; mfsdp2 does not allocate symmetric memory: its gathers write into the
+        allocator's blocks (zero copy into the parameters), so NCCL uses its regular all-gather."""
+        if backend != "NCCL":
+            raise ValueError(f"mfsdp2: set_symm_mem_for_comm backend must be 'NCCL' (as in FSDP2), got {backend!r}")
+        _log_once("symm_mem", "mfsdp2: set_symm_mem_for_comm: communication buffers come from mfsdp2's "
+                  "allocator (no symmetric memory)")
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: accumulate unsharded gradients locally (no reduce-scatter) until set back to True."""
@@ -215,191 +358,43 @@ def _state_of(m) -> FSDPState:
     return m._mfsdp2_state
 
 
-def _default_mesh() -> DeviceMesh:
-    if not dist.is_initialized():
-        raise RuntimeError("mfsdp2.fully_shard needs torch.distributed initialised (dist.init_process_group)")
-    device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _communicator(mesh: DeviceMesh, dim: Optional[int]) -> Communicator:
-    """The (cached) communicator of mesh dimension ``dim``; ``None``: this rank alone."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
-    )
-    group = mesh.get_group(dim) if dim is not None else None
-    key = (id(group), str(device))
-    if key not in _communicators:
-        _communicators[key] = Communicator(group, device)
-    return _communicators[key]
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` gather and reshard like ``forward`` (e.g. ``generate`` or an
+    ``encode`` called instead of ``forward``): the method runs between the unit's pre- and
+    post-forward hooks. A no-op for a module that is not an :class:`FSDPModule` (as in FSDP2), so
+    the same code runs with and without sharding."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"mfsdp2: {type(module).__name__} has no method {method_name!r} to register")
+    orig = getattr(module, method_name)
+
+    @functools.wraps(orig)
+    def wrapped(*args, **kwargs):
+        args, kwargs = _EAGER_PRE_FORWARD(module, args, kwargs)
+        out = orig(*args, **kwargs)
+        return _EAGER_POST_FORWARD(module, args, kwargs, out)
+
+    setattr(module, method_name, wrapped)  # an instance attribute, like FSDP2's bound wrapper
 
 
-def _collect(
-    module: nn.Module, device: torch.device, mesh: DeviceMesh
-) -> tuple[list[list[ParamInfo]], list[nn.Parameter], dict[int, TPSpec]]:
-    """This unit's own parameters (skipping nested units), deduplicated, in registration order,
-    and the tensor-parallel spec of those that are TP DTensors (keyed by id)."""
-    infos: dict[int, list[ParamInfo]] = {}
-    params: dict[int, nn.Parameter] = {}
-    specs: dict[int, TPSpec] = {}
-
-    def visit(m: nn.Module, prefix: str) -> None:
-        for attr, p in m._parameters.items():
-            if p is None:
-                continue
-            fqn = prefix + attr
-            if isinstance(p, DTensor) and id(p) not in specs:
-                specs[id(p)] = tp_spec_of(p, mesh, fqn, type(module).__name__)
-            elif type(p) is not nn.Parameter and not isinstance(p, DTensor):
-                raise ValueError(
-                    f"mfsdp2: parameter {fqn!r} of {type(module).__name__} is a {type(p).__name__}, a tensor "
-                    "subclass (a lazy module's uninitialised parameter, or a quantised weight such as "
-                    "TransformerEngine's Float8Tensor/MXFP8Tensor); mfsdp2 shards plain tensors and "
-                    "tensor-parallel DTensors. Run a forward to initialise lazy modules, build TE models "
-                    "without fp8_model_init, and gather in float8 with MixedPrecisionPolicy(all_gather_dtype=...)"
-                )
-            if p.device.type == "meta":  # sharded now, values later: mfsdp2.materialize(model)
-                pass
-            elif p.device != device and not (p.device.type == device.type == "cpu"):
-                raise ValueError(
-                    f"mfsdp2: parameter {fqn!r} is on {p.device} but the mesh computes on {device}; "
-                    f"move the module with module.to({str(device)!r}) first"
-                )
-            infos.setdefault(id(p), []).append(ParamInfo(m, attr, fqn))
-            params[id(p)] = p
-        for name, child in m._modules.items():
-            if child is None or isinstance(child, FSDPModule):
-                continue
-            visit(child, prefix + name + ".")
-
-    visit(module, "")
-    keys = list(params)
-    return [infos[k] for k in keys], [params[k] for k in keys], specs
-
-
-def _tp_local(p: nn.Parameter) -> nn.Parameter:
-    """A TP DTensor parameter's local tensor as the parameter the data-parallel layer shards."""
-    local = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
-    for k, v in p.__dict__.items():
-        if not k.startswith("_"):
-            setattr(local, k, v)
-    return local
-
-
-def fully_shard(
-    module: nn.Module,
-    *,
-    mesh: Optional[DeviceMesh] = None,
-    reshard_after_forward: Union[bool, int] = True,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    allocator: Union[str, BucketAllocator, None] = None,
-    sharding_strategy: Union[str, ShardingStrategy] = "optim_grads_params",
-) -> nn.Module:
-    """Shard ``module``'s own parameters over ``mesh`` and make it an :class:`FSDPModule`.
-
-    Apply to children first and the root last. ``reshard_after_forward``: ``True`` frees the
-    gathered parameters after forward, ``False`` keeps them for backward, an int ``k`` (a divisor
-    of the group size, e.g. ranks per node) keeps ``N/k`` shards so backward gathers only inside
-    blocks of ``k`` consecutive ranks. ``allocator`` is read from the root only
-    (``"caching"`` default, ``"dynamic"``, ``"trace_pool"`` or a :class:`~mfsdp2.allocator.BucketAllocator`).
-
-    ``mesh``: 1-D (the data-parallel ranks) or 2-D ``(replicate, shard)`` for HSDP. Parameters that
-    are already tensor-parallel DTensors are sharded over ``mesh`` and keep their TP placement.
-    ``sharding_strategy``: ``"optim_grads_params"`` (ZeRO-3, default), ``"optim_grads"``
-    (ZeRO-2), ``"optim"`` (ZeRO-1) or ``"no_shard"`` (DDP); see :mod:`mfsdp2.strategy`.
-    """
-    if isinstance(module, FSDPModule):
-        raise ValueError(
-            f"mfsdp2: fully_shard was already applied to this {type(module).__name__}; apply it once per module"
-        )
-    if not (allocator is None or isinstance(allocator, BucketAllocator) or allocator in ("caching", "dynamic", "trace_pool")):
-        raise ValueError(
-            f"mfsdp2: unknown allocator {allocator!r} for {type(module).__name__}: use 'caching', 'dynamic', "
-            "'trace_pool' or a BucketAllocator instance"
-        )
-    where = type(module).__name__
-    strategy = ShardingStrategy.parse(sharding_strategy, where)
-    mesh = mesh if mesh is not None else _default_mesh()
-    topology = Topology.of(mesh.ndim, strategy, where)
-    if mesh.get_coordinate() is None:
-        raise ValueError("mfsdp2: this rank is not part of the given mesh")
-    comm = _communicator(mesh, topology.shard_dim)
-    replicate = _communicator(mesh, topology.replicate_dim) if topology.replicate_dim is not None else None
-    if mp_policy.all_gather_dtype is not None and not strategy.shards_params:
-        raise ValueError(
-            f"mfsdp2: all_gather_dtype (FP8 all-gather) for {where} needs sharding_strategy="
-            f"'optim_grads_params': {strategy.value!r} gathers the weights once per step and keeps them"
-        )
-    post_forward_comm = None
-    is_int = isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool)
-    if is_int and not strategy.shards_params:
-        raise ValueError(
-            f"mfsdp2: reshard_after_forward={reshard_after_forward} for {where} applies to "
-            f"sharding_strategy='optim_grads_params' only; {strategy.value!r} keeps the full weights"
-        )
-    if is_int:
-        k = reshard_after_forward
-        if k < 1 or comm.world_size % k:
-            raise ValueError(
-                f"mfsdp2: reshard_after_forward={k} must be True, False or a divisor of the shard "
-                f"group size {comm.world_size} (e.g. the number of ranks per node)"
-            )
-        # k == world size is a full reshard; k == 1 keeps everything (False), as in FSDP2.
-        if k == comm.world_size or k == 1:
-            reshard_after_forward = k == comm.world_size
-        else:
-            post_forward_comm = comm.subgroup(k)  # collective: all ranks create the groups together
-    name = type(module).__name__  # renamed to its path under the root at the first forward
-    infos, params, specs = _collect(module, comm.device, mesh)
-    adopt_shared(module, infos, params)  # tied to a parameter a wrapped child sharded: take it over
-    if specs and topology.shard_dim is None:
-        raise ValueError(
-            f"mfsdp2: {where} has tensor-parallel parameters; sharding_strategy='no_shard' cannot "
-            "combine with TP here: use a sharding strategy (e.g. 'optim_grads_params')"
-        )
-
-    metas = {p.is_meta for p in params}
-    if len(metas) > 1:
-        raise ValueError(
-            f"mfsdp2: {name} mixes parameters on the meta device with materialised ones; build the "
-            "whole model under torch.device('meta') (then fully_shard and mfsdp2.materialize) or none of it"
-        )
-    by_key: dict[tuple, list[int]] = {}
-    for i, p in enumerate(params):
-        if p.dim() == 0:
-            raise ValueError(
-                f"mfsdp2: parameter {infos[i][0].fqn!r} of {name} is 0-dimensional; FSDP shards dim 0, "
-                "so store it with shape (1,)"
-            )
-        fp8 = mp_policy.all_gather_dtype if p.dim() >= 2 and p.dtype.is_floating_point else None
-        by_key.setdefault((p.dtype, p.requires_grad, fp8), []).append(i)
-    groups = [
-        ParameterGroup(
-            name, [infos[i] for i in idx],
-            [_tp_local(params[i]) if id(params[i]) in specs else params[i] for i in idx],
-            mesh, comm, comm.device, mp_policy,
-            GroupConfig(strategy, topology.shard_dim, replicate, key[2]),
-            tp_specs=[specs.get(id(params[i])) for i in idx],
-        )
-        for key, idx in by_key.items()
-    ]
-    state = FSDPState(module, name, mesh, comm, groups, mp_policy, reshard_after_forward, allocator)
-    state.post_forward_comm = post_forward_comm
-    mark_owned(state, [[params[i] for i in idx] for idx in by_key.values()])
-    for g in groups:
-        g.register(unsharded=False, check=False)  # replaces the user's original parameters
-
-    cls = type(module)
-    if cls not in _class_cache:
-        _class_cache[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    module.__class__ = _class_cache[cls]
-    module._mfsdp2_state = state
-    # The hooks run eagerly even inside a compiled module (``block.compile()`` compiles
-    # ``_call_impl``, hooks included): they issue collectives, swap parameters and read host
-    # state (graph-task ids, version counters) that dynamo cannot trace. FSDP2's hooks are
-    # skipped by dynamo the same way; the module's own forward is still compiled.
-    module.register_forward_pre_hook(_EAGER_PRE_FORWARD, prepend=True, with_kwargs=True)
-    module.register_forward_hook(_EAGER_POST_FORWARD, always_call=False, with_kwargs=True)
-    logger.debug("mfsdp2: %s -> %d groups: %s", name, len(groups), [g.layout.describe() for g in groups])
-    register_state_dict_hooks(module)  # state_dict() from / load_state_dict() into the main weights
-    return module
+def share_comm_ctx(modules: list) -> None:
+    """Share one set of communication side streams among several roots (FSDP2: pipeline stages
+    that are separate FSDP roots). mfsdp2 already keeps one communicator -- and so one all-gather,
+    reduce-scatter and all-reduce stream -- per (process group, device) for every root; this
+    also points the communicators of the other roots' process groups at the first root's
+    streams. On CPU there are no streams and it only validates its argument."""
+    if not modules:
+        return
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"mfsdp2: share_comm_ctx expects FSDP modules, got {type(m).__name__}")
+    first = modules[0]._mfsdp2_state.comm
+    for m in modules[1:]:
+        for s in m._units(True):
+            for c in {id(x): x for g in s.groups for x in (g.comm, g.replicate_comm, s.comm) if x is not None}.values():
+                base = c.base if isinstance(c, CustomCommunicator) else c
+                if base.device == first.device:
+                    base.ag_stream, base.rs_stream, base.ar_stream = first.ag_stream, first.rs_stream, first.ar_stream

@@ -113,6 +113,8 @@ class ParameterGroup:
         self.replicate_comm = config.replicate_comm if config.replicate_comm is not None and config.replicate_comm.world_size > 1 else None
         self.full_grads = not config.strategy.shards_grads
         self.divide_factor: Optional[float] = None  # None: mean over every data-parallel rank
+        self.force_sum = False  # SUM collectives, divided after the last one (set_force_sum_reduction_for_comms)
+        self.all_reduce_hook = None  # called on the reduced shard before it is accumulated (set_all_reduce_hook)
         self.requires_all_reduce = True  # HSDP: False accumulates shard-group results (set_requires_all_reduce)
         self.partial: Optional[torch.Tensor] = None  # those accumulated results, until the next all-reduce
         self.infos = infos
@@ -329,12 +331,21 @@ class ParameterGroup:
         then summed."""
         avg, total = dist.ReduceOp.AVG, dist.ReduceOp.SUM
         D = self.divide_factor
+        if self.force_sum:
+            return None, total, total  # divided by _post_divisor() once the reduction is done
         if D is None:
             return None, avg, avg
         premul = self.comm.premul_sum(1.0 / D) if self.comm.world_size > 1 else None
         if premul is not None:
             return None, premul, total
         return (None if D == 1 else 1.0 / D), total, total
+
+    def _post_divisor(self) -> float:
+        """With ``force_sum``: what the summed result is divided by (the divide factor, else every
+        data-parallel rank: the shard group times the replicas)."""
+        if self.divide_factor is not None:
+            return self.divide_factor
+        return float(self.comm.world_size * (self.replicate_comm.world_size if self.replicate_comm is not None else 1))
 
     def _pack(self, full: torch.Tensor, prescale: Optional[float]) -> list[bool]:
         """Copy the unsharded grads into ``full`` (zeros where a parameter has none, and in the
@@ -551,6 +562,10 @@ class ParameterGroup:
                     p.stage = "ar"
                     return False
             self._pending_reduce = None
+            if self.all_reduce_hook is not None:  # FSDP2's place: after the reduction, before the post-divide
+                self.all_reduce_hook(out)
+            if self.force_sum and self._post_divisor() != 1:
+                out.div_(self._post_divisor())
             if not p.direct:
                 self._accumulate(allocator, out)
             self._free_out(allocator, p)

@@ -82,6 +82,13 @@ class FSDPState:
         self.forward_prefetch: Optional[list[FSDPState]] = None  # explicit overrides of the schedule
         self.backward_prefetch: Optional[list[FSDPState]] = None
         self.post_forward_comm = None  # block communicator for reshard_after_forward=<int>
+        # fully_shard([a, b, ...]): every module of the unit (``module`` is the first). The unit is
+        # gathered once for all of them and reshards after the last one's forward of the pass.
+        self.modules: list[nn.Module] = [module]
+        self.forward_to_run: set[int] = set()  # ids of the modules whose forward is still to come
+        self.unshard_in_backward = True  # False: backward needs none of the weights (set_unshard_in_backward)
+        # Reductions left in flight after issuing this unit's (set_reduce_scatter_max_input_buffers).
+        self.max_reduce_in_flight = 1
 
     def __repr__(self) -> str:
         return f"FSDPState({self.name!r}, {self.shard_state.value}, {self.training_state.value})"
@@ -114,6 +121,8 @@ class RootContext:
         self.reduce_queue: list[FSDPState] = []  # units with a reduce-scatter in flight, oldest first
         self.allreduce_queue: list[FSDPState] = []  # HSDP: units whose all-reduce across replicas is in flight
         self.step = 0
+        # set_post_optim_event: the next root forward makes the current stream wait on it first.
+        self.post_optim_event = None
 
     @classmethod
     def create(cls, root: FSDPState, states: list[FSDPState], schedule) -> "RootContext":
