@@ -23,15 +23,17 @@ biases are small and sensitive, so ``fully_shard`` puts them in ordinary groups.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from .buffer import DataParallelBuffer
 from .comm import CommHandle
 
-if TYPE_CHECKING:
-    from .param_group import ParameterGroup
+
+# A mfsdp2.param_group.ParameterGroup; not imported, since that module imports this one (a
+# lower file must not import a higher one).
+Group = Any
 
 __all__ = ["Float8Gather", "FP8_DTYPES"]
 
@@ -43,7 +45,7 @@ class Float8Gather:
     the group's layout (its shard is the quantised main shard), the agreed scales, and the
     gather that dequantises into the group's compute-dtype unsharded buffer."""
 
-    def __init__(self, group: "ParameterGroup", dtype: torch.dtype):
+    def __init__(self, group: Group, dtype: torch.dtype):
         self.group = group
         self.dtype = dtype
         self.max = torch.finfo(dtype).max
@@ -114,7 +116,7 @@ class Float8Gather:
         return CommHandle(then=dequantise, inner=h, label=label)  # inner: settle() sees the gather's work
 
 
-def agree_scales(groups: list["ParameterGroup"], amax: torch.Tensor, offset: int) -> int:
+def agree_scales(groups: list[Group], amax: torch.Tensor, offset: int) -> int:
     """Hand each FP8 group its slice of the all-reduced amax vector; returns the next offset."""
     for g in groups:
         n = len(g.layout.slots)

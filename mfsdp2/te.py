@@ -24,11 +24,14 @@ attribute-based, so a module that follows TE's protocol works without TE install
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .allocator import BucketAllocator
-    from .param_group import ParameterGroup
+
+# A mfsdp2.param_group.ParameterGroup; not imported, since that module imports this one (a
+# lower file must not import a higher one).
+Group = Any
 
 __all__ = ["fuses_wgrad", "attach_main_grads", "detach_main_grads", "transformer_engine"]
 
@@ -41,14 +44,14 @@ def transformer_engine():
         return None
 
 
-def fuses_wgrad(group: "ParameterGroup") -> bool:
+def fuses_wgrad(group: Group) -> bool:
     """True when a module owning one of the group's parameters fuses wgrad accumulation."""
     return group.requires_grad and any(
         getattr(info.owner, "fuse_wgrad_accumulation", False) for owners in group.infos for info in owners
     )
 
 
-def attach_main_grads(group: "ParameterGroup", allocator: "BucketAllocator", key) -> None:
+def attach_main_grads(group: Group, allocator: "BucketAllocator", key) -> None:
     """Before the group's backward: point each unsharded parameter's ``main_grad`` into the flat
     gradient buffer the reduction will read. Idempotent within a backward; a buffer left from a
     micro-batch without gradient sync is reused, so its contents accumulate."""
@@ -66,7 +69,7 @@ def attach_main_grads(group: "ParameterGroup", allocator: "BucketAllocator", key
         up.overwrite_main_grad = False
 
 
-def detach_main_grads(group: "ParameterGroup") -> None:
+def detach_main_grads(group: Group) -> None:
     """After the reduction consumed the buffer: no ``main_grad`` may outlive it."""
     for up in group.unsharded_params:
         if hasattr(up, "main_grad"):

@@ -1,0 +1,332 @@
+"""The gradient-reduction path of a :class:`~mfsdp2.param_group.ParameterGroup`: pack the
+unsharded gradients into one flat buffer, issue its reduction (reduce-scatter over the shard
+group, or all-reduce for the full-gradient strategies; HSDP's all-reduce across replicas as a
+second stage), accumulate the result into the main gradient and expose it as the DTensor
+parameters' ``.grad``.
+
+Why a file of its own: this is the half of a group that runs in backward and owns the reduction
+buffers' lifetimes (see "Buffer lifetime rule" in docs/design.md); the other half (layout, main
+and model weights, gathers) is :mod:`mfsdp2.param_group`. ``GradientReduction`` is a mixin over
+the group's state (``layout``, ``weights``, ``comm``, ``dist_params``, ``unsharded_params``,
+``main_grad`` ...), all set up by ``ParameterGroup.__init__``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .allocator import BucketAllocator
+from .comm import CommHandle
+from .te import detach_main_grads
+from .tensor_parallel import local_grad
+
+__all__ = ["GradientReduction"]
+
+
+@dataclass
+class _PendingReduce:
+    handle: CommHandle
+    direct: bool  # the collective wrote straight into the main gradient
+    out: torch.Tensor  # the shard-group result (shard-size, or full-size for full-gradient strategies)
+    has_grad: tuple
+    key: object
+    all_reduce: bool  # HSDP: all-reduce ``out`` across replicas when the shard-group part is done
+    op: object  # the replicate all-reduce's op
+    stage: str = "rs"  # "rs": the shard-group collective is in flight; "ar": the replicate all-reduce
+
+
+class GradientReduction:
+    """Backward half of a parameter group (mixed into :class:`~mfsdp2.param_group.ParameterGroup`)."""
+
+    # -- gradients ----------------------------------------------------------------------------
+    def has_unsharded_grads(self) -> bool:
+        if self.fused_full is not None:
+            return True  # TE wrote (or will have written) wgrads into the fused buffer
+        return any(p.grad is not None for p in self.unsharded_params)
+
+    def _reduce_ops(self) -> tuple[Optional[float], object, object]:
+        """``(prescale, first collective's op, replicate all-reduce's op)`` for the divide factor.
+
+        Mean over every data-parallel rank (default): AVG in each stage (a mean of equal-size
+        means is the mean; gloo's all-reduce emulates AVG). A custom factor ``D``: NCCL scales
+        inside the first collective (PREMUL_SUM); elsewhere the gradients are multiplied by
+        ``1/D`` while they are packed (in the reduce dtype, before any sum: no bf16 overflow),
+        then summed."""
+        avg, total = dist.ReduceOp.AVG, dist.ReduceOp.SUM
+        D = self.divide_factor
+        if self.force_sum:
+            return None, total, total  # divided by _post_divisor() once the reduction is done
+        if D is None:
+            return None, avg, avg
+        premul = self.comm.premul_sum(1.0 / D) if self.comm.world_size > 1 else None
+        if premul is not None:
+            return None, premul, total
+        return (None if D == 1 else 1.0 / D), total, total
+
+    def _post_divisor(self) -> float:
+        """With ``force_sum``: what the summed result is divided by (the divide factor, else every
+        data-parallel rank: the shard group times the replicas)."""
+        if self.divide_factor is not None:
+            return self.divide_factor
+        return float(self.comm.world_size * (self.replicate_comm.world_size if self.replicate_comm is not None else 1))
+
+    def _pack(self, full: torch.Tensor, prescale: Optional[float]) -> list[bool]:
+        """Copy the unsharded grads into ``full`` (zeros where a parameter has none, and in the
+        padding); TE-fused wgrads are already in place. Returns which parameters had one."""
+        layout = self.layout
+        fused = self.fused_full is not None
+        has_grad = []
+        end = 0
+        for i, up in enumerate(self.unsharded_params):
+            slot = layout.slots[i]
+            if slot.offset > end and not fused:
+                full[end : slot.offset].zero_()
+            view = full[slot.offset : slot.offset + slot.numel]
+            if fused and getattr(up, "grad_added_to_main_grad", False):
+                up.grad = None  # TE's placeholder wgrad: the real one is already in the buffer
+                up.grad_added_to_main_grad = False
+                has_grad.append(True)
+            elif up.grad is None:
+                if not fused:
+                    view.zero_()
+                has_grad.append(False)
+            else:
+                view.copy_(local_grad(up.grad, self.tp_specs[i]).reshape(-1))
+                up.grad = None
+                has_grad.append(True)
+            end = slot.offset + slot.numel
+        if end < layout.total_numel and not fused:
+            full[end:].zero_()
+        if prescale is not None:
+            full.mul_(prescale)
+        if fused:
+            detach_main_grads(self)
+        self.fused_full = None
+        return has_grad
+
+    def reduce_grads(self, allocator: BucketAllocator, key, label: str = "") -> None:
+        """Pack the unsharded grads into a flat buffer and issue its reduction (async).
+
+        Parameters with no local gradient contribute zeros so every rank issues the same
+        collective; call :meth:`finish_reduce` to accumulate the result into ``main_grad``.
+        Sharded-gradient strategies reduce-scatter over the shard group; full-gradient ones
+        all-reduce; HSDP then all-reduces across replicas in :meth:`finish_reduce`."""
+        if not self.requires_grad:
+            return
+        self.finish_reduce(allocator)  # one reduction per group in flight
+        layout = self.layout
+        prescale, op, replicate_op = self._reduce_ops()
+        all_reduce = self.replicate_comm is not None and self.requires_all_reduce
+        # Nothing accumulated is visible (every grad None: first reduction since zero_grad), the
+        # dtypes match and no HSDP partial sum waits: reduce straight into main_grad, no copy.
+        direct = (
+            self.reduce_dtype == self.grad_dtype
+            and all(dp.grad is None for dp in self.dist_params)
+            and (self.replicate_comm is None or (all_reduce and self.partial is None))
+        )
+        with torch.no_grad():
+            if self.fused_full is not None:
+                full, direct = self.fused_full, False  # TE wrote into it: ("grad", key)
+            elif self.full_grads and direct:
+                self._ensure_main_grad(allocator, zero=False)
+                full = self.main_grad_full
+            else:
+                full = allocator.allocate(("grad", key), layout.total_numel, self.reduce_dtype, self.device)
+            has_grad = self._pack(full, prescale)
+            if self.full_grads:
+                out = full
+                handle = self.comm.all_reduce(full, op, label=label)
+            else:
+                if direct:
+                    self._ensure_main_grad(allocator, zero=False)
+                    out = self.main_grad
+                else:
+                    out = allocator.allocate(("rs_out", key), layout.shard_numel, self.reduce_dtype, self.device)
+                n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, op)
+                scratch = allocator.allocate(("rs_recv", key), n_scratch, self.reduce_dtype, self.device) if n_scratch else None
+                handle = self.weights.reduce_scatter(full, out, op, scratch, label)
+        self._pending_reduce = _PendingReduce(handle, direct, out, tuple(has_grad), key, all_reduce, replicate_op)
+
+    # -- main grads ---------------------------------------------------------------------------
+    def _main_grad_key(self) -> tuple:
+        return ("main_grad", self.unit_name, self.name)
+
+    def _ensure_main_grad(self, allocator: BucketAllocator, zero: bool) -> None:
+        """main_grad lives from the first reduction after a ``zero_grad(set_to_none=True)`` to the
+        next forward that finds all its grads cleared (:meth:`release_main_grad`): like FSDP2's
+        sharded grads, it takes no memory through forward."""
+        if self.main_grad is not None:
+            return
+        self._main_grad_alloc = allocator
+        n = self.layout.total_numel if self.full_grads else self.layout.shard_numel
+        block = allocator.allocate(self._main_grad_key(), n, self.grad_dtype, self.device)
+        if zero:
+            block.zero_()
+        if self.full_grads:
+            self.main_grad_full = block
+            self.main_grad = self.weights.local_slice(block)
+        else:
+            self.main_grad = block
+        for dp in self.dist_params:
+            dp.grad = None
+
+    def release_main_grad(self) -> None:
+        """Give main_grad back to the allocator when no parameter exposes it any more (the
+        optimizer's ``zero_grad(set_to_none=True)`` ran); called at the root's next forward."""
+        if self.main_grad is None or self._pending_reduce is not None:
+            return
+        if any(dp.grad is not None for dp in self.dist_params):
+            return  # grads kept (zero_grad(set_to_none=False) or accumulation across steps)
+        self.main_grad = None
+        self.main_grad_full = None
+        self._main_grad_alloc.free(self._main_grad_key())
+        self._main_grad_alloc = None
+
+    def _partial_key(self) -> tuple:
+        return ("partial", self.unit_name, self.name)
+
+    @staticmethod
+    def _free_reduce_buffers(allocator: BucketAllocator, key) -> None:
+        if allocator.is_live(("grad", key)):
+            allocator.free(("grad", key))
+        if allocator.is_live(("rs_recv", key)):
+            allocator.free(("rs_recv", key))
+
+    def _free_out(self, allocator: BucketAllocator, p: _PendingReduce) -> None:
+        if not p.direct and not self.full_grads:
+            allocator.free(("rs_out", p.key))
+        if self.full_grads:
+            self._free_reduce_buffers(allocator, p.key)  # out was the ("grad", key) buffer
+
+    def abort(self, allocator: BucketAllocator) -> None:
+        """Drop this step's gradient work after an exception: wait for (never free under) an
+        in-flight reduction, discard it, and drop unsharded gradients. A reduction that failed
+        and may still run (:meth:`CommHandle.settle`) gets its buffers leaked, not freed."""
+        if self._pending_reduce is not None:
+            p = self._pending_reduce
+            self._pending_reduce = None
+            if p.handle.settle():
+                self._free_reduce_buffers(allocator, p.key)
+                self._free_out(allocator, p)
+            else:
+                self._leak_reduce_buffers(allocator, p)
+        if self.fused_full is not None:
+            self.fused_full = None
+            self._free_reduce_buffers(allocator, self.fused_key)
+        for up in self.unsharded_params:
+            up.grad = None
+
+    def _leak_reduce_buffers(self, allocator: BucketAllocator, p: _PendingReduce) -> None:
+        """Every buffer the unfinished reduction ``p`` may still read or write: its input, receive
+        scratch and output -- the main gradient itself when it reduced straight into it."""
+        why = f"the {p.handle.label or 'reduction'} failed and may still be running"
+        for role in ("grad", "rs_recv", "rs_out"):
+            if allocator.is_live((role, p.key)):
+                allocator.leak((role, p.key), why)
+        if p.direct or p.out is self.main_grad or p.out is self.main_grad_full:
+            if self.main_grad is not None and self._main_grad_alloc.is_live(self._main_grad_key()):
+                self._main_grad_alloc.leak(self._main_grad_key(), why)
+            self.main_grad = None
+            self.main_grad_full = None
+            self._main_grad_alloc = None
+            for dp in self.dist_params:
+                dp.grad = None
+
+    @property
+    def reduce_pending(self) -> bool:
+        return self._pending_reduce is not None
+
+    def finish_reduce(self, allocator: BucketAllocator) -> None:
+        """Wait for the in-flight reduction (both stages) and accumulate it into ``main_grad``."""
+        while self._pending_reduce is not None:
+            self.advance_reduce(allocator)
+
+    def advance_reduce(self, allocator: BucketAllocator) -> bool:
+        """Finish the in-flight reduction's current stage; True when nothing is pending any more.
+
+        HSDP has two stages: when the shard-group reduction is done, the all-reduce across
+        replicas is *issued* (async, its own CUDA stream) and waited only at the next drain, so it
+        overlaps the next unit's backward instead of stalling the compute stream behind it. With
+        ``set_requires_all_reduce(False)`` the shard-group result goes into the partial sum."""
+        p = self._pending_reduce
+        if p is None:
+            return True
+        p.handle.wait()
+        out = p.out
+        with torch.no_grad():
+            if p.stage == "rs":
+                if not self.full_grads:
+                    self._free_reduce_buffers(allocator, p.key)
+                if self.replicate_comm is not None and not p.all_reduce:
+                    # set_requires_all_reduce(False): keep the shard-group sum for the next all-reduce.
+                    if self.partial is None:
+                        self.partial = allocator.allocate(self._partial_key(), out.numel(), out.dtype, self.device)
+                        self.partial.copy_(out)
+                    else:
+                        self.partial.add_(out)
+                    self._free_out(allocator, p)
+                    self._pending_reduce = None
+                    self.local_grad_flags = [a or b for a, b in zip(self.local_grad_flags, p.has_grad)]
+                    return True
+                if self.replicate_comm is not None:
+                    if self.partial is not None:
+                        out.add_(self.partial)
+                        self.partial = None
+                        allocator.free(self._partial_key())
+                    label = f"all-reduce across replicas of {self.name}"
+                    p.handle = self.replicate_comm.all_reduce(out, p.op, label=label)
+                    p.stage = "ar"
+                    return False
+            self._pending_reduce = None
+            if self.all_reduce_hook is not None:  # FSDP2's place: after the reduction, before the post-divide
+                self.all_reduce_hook(out)
+            if self.force_sum and self._post_divisor() != 1:
+                out.div_(self._post_divisor())
+            if not p.direct:
+                self._accumulate(allocator, out)
+            self._free_out(allocator, p)
+        self.local_grad_flags = [a or b for a, b in zip(self.local_grad_flags, p.has_grad)]
+        self.expose_grads(p.has_grad)
+        self.grads_reduced_this_step = True
+        return True
+
+    def _accumulate(self, allocator: BucketAllocator, out: torch.Tensor) -> None:
+        """main_grad += out, restarting at zero the parameters whose grad the user cleared."""
+        self._ensure_main_grad(allocator, zero=True)
+        dst = self.main_grad_full if self.full_grads else self.main_grad
+        view = self.weights.param_view if self.full_grads else self.weights.piece_view
+        overwrite = [dp.grad is None for dp in self.dist_params]
+        if all(overwrite):
+            dst.copy_(out)
+            return
+        # optimizer.zero_grad() (set_to_none) clears some grads: their pieces restart at 0.
+        for i, dp in enumerate(self.dist_params):
+            if overwrite[i]:
+                view(dst, i).zero_()
+            elif dp.grad._local_tensor.data_ptr() != self.weights.piece_view(self.main_grad, i).data_ptr():
+                # The user assigned a grad of their own: fold it in before accumulating.
+                self.weights.piece_view(self.main_grad, i).copy_(dp.grad._local_tensor)
+        dst.add_(out)
+
+    def expose_grads(self, flags) -> None:
+        """Give ``dp.grad`` (a view of main_grad; empty where this rank holds no rows) to every
+        flagged parameter.
+
+        Called with this rank's flags after each reduction, then with the flags of *all* ranks
+        at the end of backward (``hooks._sync_grad_presence``): a parameter used on some ranks only
+        (an MoE expert that got no tokens here) has a nonzero reduced gradient on every rank's rows,
+        so every rank must step it, while a parameter no rank used keeps ``grad = None`` (the
+        optimizer skips it, as it would unsharded). Empty pieces get an empty gradient, never
+        ``None``: a rank whose list of gradients differs from the others' issues different
+        collectives in ``clip_grad_norm_`` (gloo aborts). torch's foreach and fused optimizers
+        step empty tensors without touching their neighbours (tests/test_empty_grads.py)."""
+        if self.main_grad is None:
+            return
+        for i, dp in enumerate(self.dist_params):
+            if flags[i] and dp.grad is None:
+                local = self.weights.piece_view(self.main_grad, i)
+                dp.grad = self.as_dtensor(local, i, dp.shape)
