@@ -251,11 +251,14 @@ class FSDPModule:
             for g in s.groups:
                 g.requires_all_reduce = requires_all_reduce
 
-    def set_gradient_divide_factor(self, factor: Optional[float], *, recurse: bool = True) -> None:
+    def set_gradient_divide_factor(self, factor: Optional[float], *, recurse: bool = False) -> None:
         """Divide the summed gradients by ``factor`` instead of averaging over the data-parallel
         ranks: ``1.0`` sums (per-token-loss training, where the loss is already normalised by the
         global token count), ``None`` restores the mean. NCCL applies it inside the reduction
-        (PREMUL_SUM); other backends pre-scale while packing the gradients."""
+        (PREMUL_SUM); other backends pre-scale while packing the gradients.
+
+        Like FSDP2's, it applies to this unit only (a script that calls it on each block and the
+        root must get FSDP2's gradients); ``recurse=True`` sets every unit under this one."""
         if factor is not None and not factor > 0:
             raise ValueError(f"mfsdp2: gradient divide factor must be > 0 or None, got {factor!r}")
         for s in self._units(recurse):

@@ -213,7 +213,7 @@ def _divide_run(rank, ws, mesh_shape, strategy):
     x, y = batch(0, GLOBAL_BATCH, 12, dtype=F64)
     for factor in (None, 1.0, 3.0):
         model = _wrap(build("net", dtype=F64), mesh, strategy)
-        model.set_gradient_divide_factor(factor)
+        model.set_gradient_divide_factor(factor, recurse=True)
         loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
         out[factor] = {k: local_grad_rows(p) for k, p in model.named_parameters()}
     return out
