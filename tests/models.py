@@ -82,12 +82,18 @@ def loss_fn(out, y):
     return ((out.sum(-1) - y) ** 2).mean()
 
 
-def reference_run(kind: str, opt_kind: str, steps: int, global_batch: int, dtype: torch.dtype = torch.float32):
-    """Single-process, unsharded: the independent reference for the parity tests."""
+def reference_run(
+    kind: str, opt_kind: str, steps: int, global_batch: int, dtype: torch.dtype = torch.float32, compile_step: bool = False
+):
+    """Single-process, unsharded: the independent reference for the parity tests.
+    ``compile_step``: the optimizer step is compiled (aot_eager), as the run it is compared with
+    (a compiled step computes bias corrections from a float32 step tensor, eager from a float)."""
     torch.set_num_threads(1)
     model = build(kind, dtype=dtype)
     d_in = model.inp.in_features
     opt = make_opt(opt_kind, [p for p in model.parameters() if p.requires_grad])
+    if compile_step:
+        opt.step = torch.compile(opt.step, backend="aot_eager")
     losses = []
     for step in range(steps):
         x, y = batch(step, global_batch, d_in, dtype=dtype)
