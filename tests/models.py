@@ -94,15 +94,18 @@ def reference_run(
     opt = make_opt(opt_kind, [p for p in model.parameters() if p.requires_grad])
     if compile_step:
         opt.step = torch.compile(opt.step, backend="aot_eager")
-    losses = []
-    for step in range(steps):
-        x, y = batch(step, global_batch, d_in, dtype=dtype)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = [reference_step(model, opt, step, global_batch, dtype) for step in range(steps)]
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def reference_step(model, opt, step: int, global_batch: int, dtype: torch.dtype = torch.float32) -> float:
+    """One unsharded training step on the whole global batch of ``step``; returns its loss."""
+    x, y = batch(step, global_batch, model.inp.in_features, dtype=dtype)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
 
 
 def same_cast_reference(

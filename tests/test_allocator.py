@@ -18,7 +18,7 @@ from mfsdp2 import TracePoolAllocator, fully_shard
 from mfsdp2.pool_plan import Interval, PoolPlan, check_plan, max_live, plan_pool
 
 from ._dist import run_ranks
-from .models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, reference_run
+from .models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, reference_run, reference_step
 
 ALIGN = 16
 
@@ -242,12 +242,7 @@ def _mixed_reference():
             with torch.no_grad():
                 evals.append(model(EVAL_X).sum().item())
             continue
-        x, y = batch(step, GLOBAL_BATCH, 12, dtype=F64)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(reference_step(model, opt, step, GLOBAL_BATCH, F64))
         step += 1
     return losses, evals, {k: v.detach().clone() for k, v in model.named_parameters()}
 

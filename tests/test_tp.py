@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from mfsdp2 import fully_shard
 
 from ._dist import run_ranks
-from .models import F64, REL_F64, Net, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, reference_run, sharded_train_step
+from .models import F64, REL_F64, Net, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, reference_run, reference_step, sharded_train_step
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -118,14 +118,7 @@ def _tied_reference():
     torch.set_num_threads(1)
     model = _tied_model()
     opt = make_opt("adamw", model.parameters())
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step, GLOBAL_BATCH, 12, dtype=F64)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = [reference_step(model, opt, step, GLOBAL_BATCH, F64) for step in range(STEPS)]
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
