@@ -238,23 +238,27 @@ def _agree_on_gathers(ctx: RootContext) -> None:
       they changed (:mod:`mfsdp2.weight_watch`). Version counters and the content fingerprint
       are local: a rank holding no rows of a group sees no write while the others do, and
       deciding locally would make the ranks issue different collectives. The agreed flags need
-      **one host read per root forward** (``tolist``): the one documented exception to "no host
-      synchronisation in steady state", for these strategies only.
+      **one host read per root forward** (``tolist``) when the content is compared: the one
+      documented exception to "no host synchronisation in steady state", for these strategies
+      only. With ``set_detect_data_writes(False)`` only host facts are agreed, over the CPU twin
+      group (no device read); a write through ``.data`` must then be announced.
     * FP8 groups need one scale per parameter that every rank shares: the max of the ranks'
       amax. The scales stay on the device (no host read).
     """
     persistent = [g for s in ctx.states for g in s.groups if g.persistent]
+    checked = [g for g in persistent if g.content_check]
+    _agree_on_host_facts(ctx, [g for g in persistent if not g.content_check])
     fp8 = [g for s in ctx.states for g in s.groups if g.fp8 is not None]
-    if not persistent and not fp8:
+    if not checked and not fp8:
         return
     from .fp8 import agree_scales
 
-    groups = persistent + fp8
+    groups = checked + fp8
     device = groups[0].device
     parts = []
-    if persistent:
+    if checked:
         one = torch.ones((), dtype=torch.float32, device=device)
-        parts.append(torch.stack([g.changed_flag(one) for g in persistent]))
+        parts.append(torch.stack([g.changed_flag(one) for g in checked]))
     parts += [g.fp8.local_amax() for g in fp8]
     vec = torch.cat(parts) if len(parts) > 1 else parts[0]
     # One collective over the shard group (groups of one rank, e.g. no_shard's, need none: their
@@ -263,10 +267,24 @@ def _agree_on_gathers(ctx: RootContext) -> None:
     if comm is not None:
         label = f"gather agreement (changed flags, fp8 amax) at the forward of step {ctx.step}"
         comm.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, label=label).wait()
-    if persistent:
-        for g, f in zip(persistent, vec[: len(persistent)].tolist()):
+    if checked:
+        for g, f in zip(checked, vec[: len(checked)].tolist()):
             g.agreed_stale = f > 0
-    agree_scales(fp8, vec, len(persistent))
+    agree_scales(fp8, vec, len(checked))
+
+
+def _agree_on_host_facts(ctx: RootContext, groups: list) -> None:
+    """Persistent groups without the content check: agree on what the hosts know (a step, an
+    announced write, a moved version counter) over the CPU twin group -- no device read."""
+    if not groups:
+        return
+    flags = host_tensor([1.0 if g.host_changed() else 0.0 for g in groups], torch.float32)
+    comm = next((g.comm.host() for g in groups if g.comm.world_size > 1), None)
+    if comm is not None:
+        label = f"gather agreement (changed flags, host) at the forward of step {ctx.step}"
+        comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, label=label).wait()
+    for g, f in zip(groups, flags.tolist()):  # a CPU tensor: no device synchronisation
+        g.agreed_stale = f > 0
 
 
 def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):

@@ -99,6 +99,19 @@ class FSDPModule:
             for g in s.groups:
                 g.mark_changed()
 
+    def set_detect_data_writes(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Persistent weights (ZeRO-1/2, no_shard) compare the main shard's content at each root
+        forward, so a write through ``.data`` (which bumps no version counter) is seen by the next
+        forward; that costs one small device-to-host read per forward. ``False`` drops the
+        comparison for a step with no host synchronisation at all: optimizer steps, in-place
+        writes through the parameters and ``load_state_dict`` are still seen, but a write through
+        ``.data`` must then be announced with :meth:`mark_weights_changed`. Every rank must pass
+        the same value."""
+        for s in self._units(recurse):
+            for g in s.groups:
+                g.content_check = bool(enabled)
+                g.changed = True  # start from a known-good gather under the new rule
+
     def reset_iter_state(self) -> None:
         """FSDP2's name for :meth:`reset`: call it on the root after ``forward()`` or ``backward()``
         raised; the failed iteration's gradients (no-sync accumulation, HSDP partial sums

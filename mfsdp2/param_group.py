@@ -142,6 +142,10 @@ class ParameterGroup(GradientReduction):
         # An optimizer step or an announced write since the last gather (the same on every rank).
         self.changed = True
         self._gathered_fp: Optional[torch.Tensor] = None  # fingerprint of the main shard at the last gather
+        # Persistent weights: compare the main shard's content at each root forward (sees writes
+        # through ``.data``; costs one host read per forward). Off: host signals only, agreed on
+        # the CPU (``FSDPModule.set_detect_data_writes``).
+        self.content_check = True
         self.fp8 = None
         if config.fp8:
             self.fp8 = Float8Gather(self, config.fp8)
@@ -249,9 +253,13 @@ class ParameterGroup(GradientReduction):
         """0-dim device float: 1 when this rank sees a change since the last gather. Host facts
         (a step, an announced write, a moved version counter) answer without touching the device;
         otherwise the main shard's fingerprint is compared on the device (no host read here)."""
-        if self.changed or self.main_version() != self.gathered_version or self._gathered_fp is None:
+        if self.host_changed() or self._gathered_fp is None:
             return one
         return (fingerprint(self.main_weight) != self._gathered_fp).any().to(one.dtype)
+
+    def host_changed(self) -> bool:
+        """A change this rank's host knows of: a step, an announced write, a moved version counter."""
+        return self.changed or self.main_version() != self.gathered_version
 
     # -- unshard / reshard --------------------------------------------------------------------
     @property
@@ -268,7 +276,7 @@ class ParameterGroup(GradientReduction):
         self._cast_pending = self._needs_cast  # the next gather happens because the main weights changed
         self.gathered_version = self.main_version()
         self.changed = self.agreed_stale = False
-        if self.persistent:
+        if self.persistent and self.content_check:
             self._gathered_fp = fingerprint(self.main_weight)
         with torch.no_grad():
             if self.fp8 is not None:

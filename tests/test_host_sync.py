@@ -13,7 +13,8 @@ and are not counted. The CUDA variant below checks the real thing with
 
 Expected per steady-state step (forward, backward, optimizer step): 0 for ZeRO-3, FP8 all-gather
 and HSDP (which also covers the end-of-backward gradient-presence agreement at world size > 1);
-exactly 1 (the agreed changed-weights flags, ``hooks._agree_on_gathers``) for ZeRO-1/2/no_shard.
+exactly 1 (the agreed changed-weights flags, ``hooks._agree_on_gathers``) for ZeRO-1/2/no_shard,
+and 0 for them too after ``set_detect_data_writes(False)`` (host facts agreed on the CPU).
 """
 
 from __future__ import annotations
@@ -72,7 +73,19 @@ CONFIGS = {
     "zero2": ((4,), "optim_grads", MixedPrecisionPolicy(), 1),
     "zero1": ((4,), "optim", MixedPrecisionPolicy(param_dtype=torch.bfloat16), 1),
     "no_shard": ((4,), "no_shard", MixedPrecisionPolicy(), 1),
+    # set_detect_data_writes(False): host facts only, agreed over the CPU twin group.
+    "zero2_no_content_check": ((4,), "optim_grads", MixedPrecisionPolicy(), 0),
+    "no_shard_no_content_check": ((4,), "no_shard", MixedPrecisionPolicy(), 0),
 }
+
+
+def _wrap(model, mesh, name, strategy, mp):
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, mp_policy=mp, sharding_strategy=strategy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, sharding_strategy=strategy)
+    if name.endswith("no_content_check"):
+        model.set_detect_data_writes(False)
+    return model
 
 
 def _step(model, opt, step, rank, ws):
@@ -88,10 +101,7 @@ def _count(rank, ws, device="cpu"):
     out = {}
     for name, (shape, strategy, mp, _) in CONFIGS.items():
         mesh = init_device_mesh(device, shape if ws > 1 else (1,) * len(shape))
-        model = build("net").to(device)
-        for b in model.blocks:
-            fully_shard(b, mesh=mesh, mp_policy=mp, sharding_strategy=strategy)
-        fully_shard(model, mesh=mesh, mp_policy=mp, sharding_strategy=strategy)
+        model = _wrap(build("net").to(device), mesh, name, strategy, mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for step in range(WARMUP):
             _step(model, opt, step, rank, ws)
@@ -115,10 +125,7 @@ def _cuda_sync_warnings(rank, ws):
     out = {}
     for name, (shape, strategy, mp, _) in CONFIGS.items():
         mesh = init_device_mesh("cuda", (1,) * len(shape))
-        model = build("net").cuda()
-        for b in model.blocks:
-            fully_shard(b, mesh=mesh, mp_policy=mp, sharding_strategy=strategy)
-        fully_shard(model, mesh=mesh, mp_policy=mp, sharding_strategy=strategy)
+        model = _wrap(build("net").cuda(), mesh, name, strategy, mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         x, y = batch(0, 8, 12)
         x, y = x.cuda(), y.cuda()

@@ -121,16 +121,22 @@ def _first_row(p):
     return 0
 
 
-def _run(rank, ws, strategy, dtype, compute, fp8):
+def _run(rank, ws, strategy, dtype, compute, fp8, detect=True):
+    """``detect=False``: ``set_detect_data_writes(False)``, and every write is announced with
+    ``mark_weights_changed()`` -- the documented contract of that mode."""
     torch.manual_seed(0)
     template = build("net").to(dtype)
     model = _shard(copy.deepcopy(template), ws, strategy,
                    MixedPrecisionPolicy(param_dtype=compute, all_gather_dtype=E4M3 if fp8 else None))
+    if not detect:
+        model.set_detect_data_writes(False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(6, 12, generator=torch.Generator().manual_seed(7), dtype=dtype)
     results = []
 
     def check(case):
+        if not detect:
+            model.mark_weights_changed()
         with torch.no_grad():
             got = model(x)
         want = _reference_output(model, template, x, compute, fp8)
@@ -172,3 +178,31 @@ def _world_size_one(rank, ws):
 def test_writes_are_seen_at_world_size_one():
     """The issue's reproducer: one rank, bf16 compute, persistent weights."""
     _assert_all_seen(run_ranks(_world_size_one, 1), "world size 1, bf16 compute")
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "no_shard"])
+def test_announced_writes_are_seen_without_the_content_check(strategy):
+    """``set_detect_data_writes(False)`` (no host read per forward) + ``mark_weights_changed()``."""
+    _assert_all_seen(run_ranks(_run, 2, strategy, torch.float64, None, False, False), f"{strategy}, announced")
+
+
+def _unannounced(rank, ws):
+    template = build("net").to(torch.float64)
+    model = _shard(copy.deepcopy(template), ws, "optim_grads", MixedPrecisionPolicy())
+    model.set_detect_data_writes(False)
+    x = torch.randn(6, 12, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    with torch.no_grad():
+        model(x)
+        for p in model.parameters():
+            p.data.add_(0.25)
+        got = model(x)
+    want = _reference_output(model, template, x, None, False)
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def test_without_the_content_check_an_unannounced_data_write_is_not_seen():
+    """What the switch trades (and proof that it switches the comparison off): the forward after
+    an unannounced ``.data`` write computes with other ranks' old rows (this rank's own rows are
+    the persistent buffer's slice, written in place)."""
+    errs = run_ranks(_unannounced, 2)
+    assert all(e > 1e-3 for e in errs), errs
