@@ -216,6 +216,8 @@ class ParameterGroup(GradientReduction):
         ``fully_shard`` would otherwise be overwritten here without a word, and never trained.
         """
         params = self.unsharded_params if unsharded else self.dist_params
+        if unsharded:
+            self._follow_requires_grad()
         for i, (owners, p) in enumerate(zip(self.infos, params)):
             for info in owners:
                 if check:
@@ -228,6 +230,22 @@ class ParameterGroup(GradientReduction):
                             "assigning a new Parameter, or assign before calling fully_shard"
                         )
                 info.owner._parameters[info.attr] = p
+
+    def _follow_requires_grad(self) -> None:
+        """The module computes with the unsharded parameters, but users freeze (or unfreeze) the
+        ones they see, the DTensors (``block.requires_grad_(False)`` after ``fully_shard``, as with
+        FSDP2). Copy the flag over before each use, or a frozen layer would still get gradients and
+        the optimizer would keep training it."""
+        for i, (dp, up) in enumerate(zip(self.dist_params, self.unsharded_params)):
+            if up.requires_grad == dp.requires_grad:
+                continue
+            if dp.requires_grad and not self.requires_grad:
+                raise RuntimeError(
+                    f"mfsdp2: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} was made trainable "
+                    "(requires_grad_(True)) after fully_shard, but it was sharded frozen, with no gradient "
+                    "buffers; call requires_grad_(True) before fully_shard (freezing after it is fine)"
+                )
+            up.requires_grad_(dp.requires_grad)
 
     def main_version(self) -> int:
         """Grows whenever anything writes the main weights in place (optimizer, loading)."""
