@@ -30,6 +30,7 @@ final backward callback.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Optional
@@ -301,7 +302,7 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     state.training_state = TrainingState.IDLE
     backward_follows = False
     if grad:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, functools.partial(_pre_backward_hook, state), mode="any"
@@ -326,6 +327,30 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
             if s.shard_state is not ShardState.SHARDED and (not grad or not s.forward_with_grad):
                 reshard(s)
     return _cast_output(state, output)
+
+
+def _tensors_in(obj: Any) -> list:
+    """Every tensor in a module's output: pytree containers, and also dataclasses (model outputs
+    such as ``CausalLMOutput``-style records are often plain dataclasses, which pytree treats as
+    leaves). A tensor missed here gets no pre-backward hook, and the unit would run its backward
+    on freed weights."""
+    out, stack, seen = [], [obj], set()
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif id(x) in seen:
+            continue
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            seen.add(id(x))
+            stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+        elif isinstance(x, dict):
+            seen.add(id(x))
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            seen.add(id(x))
+            stack.extend(x)
+    return out
 
 
 def _last_of_group(state: FSDPState, module: nn.Module) -> bool:
