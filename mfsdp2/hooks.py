@@ -197,7 +197,8 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
             ctx.allocator.mark_step(("train" if grad else "eval", state.requires_gradient_sync))
             _wait_post_optim_event(ctx)
             for s in ctx.states:
-                s.forward_to_run = {id(m) for m in s.modules}
+                if len(s.modules) > 1:  # only units of several modules track their forwards
+                    s.forward_to_run = {id(m) for m in s.modules}
             _agree_on_gathers(ctx)
         state.training_state = TrainingState.FORWARD
         prefetch = ctx.schedule.on_forward(state)
