@@ -14,26 +14,17 @@ DTensor machinery asks a shard placement for:
 * ``_to_new_shard_dim`` and ``_replicate_to_shard`` -> other redistributions, through a full tensor.
 
 It compares equal to ``Shard(dim)`` so DTensor's sharding rules (pointwise ops, foreach optimizer
-kernels, norms) treat it as a dim-0 shard and propagate the *same object* to outputs: optimizer
-states created with ``zeros_like`` carry the true row counts too. Two ``RowShard`` with different
-row counts are unequal, so sharding-propagation caches never mix them up. One consequence: asking
-to ``redistribute`` to ``Shard(0)`` is a no-op that keeps our split (the result is still correct
-and self-consistent, just not ``torch.chunk``-shaped).
+kernels, norms) treat it as a dim-0 shard without redistributing. Everything that would otherwise
+confuse it with a ``torch.chunk`` split is kept apart: it hashes with its row counts, two DTensor
+specs differing only in ``RowShard`` vs plain ``Shard`` compare unequal, and results computed from
+a ``RowShard`` DTensor are relabelled ``RowShard`` (:mod:`mfsdp2.row_propagation`): ``p * 2``,
+``p.clone()``, ``p.to(torch.bfloat16)``, ``p.view(...)`` and optimizer states all keep the true row
+counts, and a same-shape FSDP2 / ``distribute_tensor`` DTensor in the same process is unaffected.
 
-Known limit (torch 2.13): ops whose sharding torch propagates in its C++ fast path (most
-out-of-place pointwise ops: ``p * 2``, ``p.clone()``, ``p.to(bf16)``) label their result with a
-fresh plain ``Shard(0)``, so such a *derived* DTensor's ``full_tensor()`` is wrong-sized. What we
-hand out keeps ``RowShard``: the parameters, their gradients, and optimizer states created with
-``zeros_like`` / ``empty_like`` and updated in place (Adam, AdamW, ...). For a derived tensor,
-rebuild it with :func:`row_sharded_dtensor` from ``.to_local()`` and the parameter's placement;
-state-dict code derives offsets from the parameter, never from such a result.
-
-Known limit (cache aliasing): because ``RowShard`` equals ``Shard(0)``, DTensor's process-wide
-caches (sharding propagation, redistribute plans) can hand a plan made for a plain ``Shard(0)``
-DTensor of the same mesh, shape and dtype to one of ours, or the reverse. Keep torch FSDP2 /
-``distribute_tensor`` tensors of identical shapes out of the process that trains with mfsdp2
-(checkpoints move freely between the two); :mod:`mfsdp2.checkpoint` gathers with plain
-collectives rather than ``full_tensor()`` for this reason.
+Known limit: ``p.redistribute(mesh, [Shard(0)])`` keeps our rows (``RowShard`` equals ``Shard(0)``
+placement-wise, so there is nothing to move) but DTensor labels the result with the plain
+``Shard(0)`` it was asked for; ``full_tensor()`` / ``redistribute(Replicate())`` on the
+parameter itself is the way to get a ``torch.chunk``-free full value.
 """
 
 from __future__ import annotations
@@ -63,7 +54,9 @@ class RowShard(Shard):
         return isinstance(other, Shard) and self.dim == other.dim
 
     def __hash__(self) -> int:
-        return Shard.__hash__(self)
+        # Not Shard's hash (the dim alone): process-wide DTensor caches must keep a decision made
+        # for a torch.chunk split apart from ours, and ours apart per row split.
+        return hash(("RowShard", self.dim, self.rows))
 
     def __repr__(self) -> str:
         return f"RowShard(dim={self.dim}, rows={self.rows})"
