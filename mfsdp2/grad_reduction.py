@@ -44,9 +44,38 @@ class GradientReduction:
 
     # -- gradients ----------------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:
-        if self.fused_full is not None:
-            return True  # TE wrote (or will have written) wgrads into the fused buffer
+        if self.fused_full is not None or self.unsynced_grad is not None:
+            return True  # TE's fused wgrads, or micro-batches accumulated without sync
         return any(p.grad is not None for p in self.unsharded_params)
+
+    def accumulate_unsynced(self) -> None:
+        """A backward without gradient sync (``set_requires_gradient_sync(False)``): fold the
+        unsharded grads into a flat accumulator in the reduce dtype and clear them.
+
+        Why: autograd would otherwise accumulate the micro-batches in the compute dtype (bf16
+        under a bf16/fp32 mixed-precision policy), rounding every partial sum to 8 bits -- torch
+        FSDP2 upcasts and accumulates in the reduce dtype, and so do we (the same arithmetic: each
+        grad converted exactly, then summed in fp32). Nothing to do when the two dtypes agree
+        (autograd's own accumulation is then what FSDP2 does too) or when TE accumulates into
+        its fused buffer. The synced backward's :meth:`_pack` adds its grads to this sum."""
+        if self.reduce_dtype == self.compute_dtype or self.fused_full is not None:
+            return
+        if not any(up.grad is not None for up in self.unsharded_params):
+            return
+        layout = self.layout
+        with torch.no_grad():
+            if self.unsynced_grad is None:
+                self.unsynced_grad = torch.zeros(layout.total_numel, dtype=self.reduce_dtype, device=self.device)
+                self.unsynced_flags = [False] * len(self.unsharded_params)
+            for i, up in enumerate(self.unsharded_params):
+                if up.grad is None:
+                    continue
+                slot = layout.slots[i]
+                self.unsynced_grad[slot.offset : slot.offset + slot.numel].add_(
+                    local_grad(up.grad, self.tp_specs[i]).reshape(-1)
+                )
+                up.grad = None
+                self.unsynced_flags[i] = True
 
     def _reduce_ops(self) -> tuple[Optional[float], object, object]:
         """``(prescale, first collective's op, replicate all-reduce's op)`` for the divide factor.
@@ -79,6 +108,7 @@ class GradientReduction:
         padding); TE-fused wgrads are already in place. Returns which parameters had one."""
         layout = self.layout
         fused = self.fused_full is not None
+        acc, self.unsynced_grad = self.unsynced_grad, None
         has_grad = []
         end = 0
         for i, up in enumerate(self.unsharded_params):
@@ -86,7 +116,13 @@ class GradientReduction:
             if slot.offset > end and not fused:
                 full[end : slot.offset].zero_()
             view = full[slot.offset : slot.offset + slot.numel]
-            if fused and getattr(up, "grad_added_to_main_grad", False):
+            if acc is not None and self.unsynced_flags[i]:
+                view.copy_(acc[slot.offset : slot.offset + slot.numel])  # the unsynced micro-batches
+                if up.grad is not None:
+                    view.add_(local_grad(up.grad, self.tp_specs[i]).reshape(-1))
+                    up.grad = None
+                has_grad.append(True)
+            elif fused and getattr(up, "grad_added_to_main_grad", False):
                 up.grad = None  # TE's placeholder wgrad: the real one is already in the buffer
                 up.grad_added_to_main_grad = False
                 has_grad.append(True)

@@ -438,6 +438,10 @@ def post_backward(state: FSDPState) -> None:
                         q.remove(state)
                 ctx.reduce_queue.append(state)
                 _drain(ctx, keep=state.max_reduce_in_flight)
+    else:
+        for g in state.groups:
+            if g.requires_grad:
+                g.accumulate_unsynced()
     if state.reshard_after_backward:
         reshard(state)
     state.post_backward_done = True
@@ -512,6 +516,10 @@ def _final_callback(ctx: RootContext) -> None:
             for s in reversed(ctx.states):
                 if s.requires_gradient_sync and any(g.requires_grad and g.has_unsharded_grads() for g in s.groups):
                     post_backward(s)
+                elif not s.requires_gradient_sync:  # e.g. the root, whose inputs need no grad
+                    for g in s.groups:
+                        if g.requires_grad:
+                            g.accumulate_unsynced()
             if ctx.root.is_last_backward:  # else (set_is_last_backward(False)) they stay in flight
                 _drain(ctx, keep=0)
                 _sync_grad_presence(ctx)

@@ -162,6 +162,10 @@ class ParameterGroup(GradientReduction):
         self.dist_params: list[nn.Parameter] = []
         self.unsharded_params: list[nn.Parameter] = []
         self._pending_reduce: Optional[_PendingReduce] = None
+        # Micro-batches of backwards without gradient sync, summed in the reduce dtype (see
+        # GradientReduction.accumulate_unsynced), and which parameters they gave a grad.
+        self.unsynced_grad: Optional[torch.Tensor] = None
+        self.unsynced_flags: list[bool] = []
         self.grads_reduced_this_step = False
         # Which parameters had a local gradient in this backward's reductions (see expose_grads).
         self.local_grad_flags = [False] * len(params)
