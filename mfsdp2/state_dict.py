@@ -9,8 +9,8 @@ returns that (``fully_shard`` registers the hooks of :mod:`mfsdp2.checkpoint.mod
 ``model.load_state_dict`` writes into the main-weight shards; compute-dtype weights are re-cast
 from them at the next unshard.
 
-Use the functions here rather than torch's DSD functions of the same names
----------------------------------------------------------------------------
+The functions here, next to torch's DSD functions of the same names
+--------------------------------------------------------------------
 They call torch's ``torch.distributed.checkpoint.state_dict`` for the FQN bookkeeping and fix what
 it gets wrong for uneven row shards (see :mod:`mfsdp2.checkpoint.optim` for the details):
 
@@ -27,9 +27,10 @@ it gets wrong for uneven row shards (see :mod:`mfsdp2.checkpoint.optim` for the 
   ``args`` of a checkpoint written by someone else) and puts them back after ``dcp.load``.
 
 A fresh optimizer is initialised by the first get/set (one zero-gradient, lr=0 step on non-empty
-pieces, as torch does), so its states exist for ``dcp.load`` to fill. Keep torch FSDP2 and mfsdp2
-models in separate processes (see :mod:`mfsdp2.checkpoint._common`); checkpoints move freely
-between them and across world sizes.
+pieces, as torch does), so its states exist for ``dcp.load`` to fill. Checkpoints move freely
+between torch FSDP2 and mfsdp2 and across world sizes. torch's own DSD functions work on mfsdp2
+models too (tests/fsdp2_compat/test_dsd.py); these add the placeholder states and rank ordering
+above.
 
 Typical use::
 

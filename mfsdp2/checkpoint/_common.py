@@ -3,9 +3,8 @@
 Everything here answers one question the same way: *which global rows of a parameter does rank
 ``r`` hold?* The answer always comes from the parameter's placement (``RowShard.rows``, or
 ``torch.chunk`` sizes for a plain ``Shard(0)`` of another runtime), never from the shape of a
-tensor derived from it: torch labels out-of-place results (``p.clone()``, SGD's momentum buffer)
-with a fresh plain ``Shard(0)`` although their local tensor holds *our* uneven rows, and a plain
-local tensor carries no offsets at all.
+tensor derived from it: a state tensor may come from a checkpoint of another runtime or have been
+relabelled by user code, and a plain local tensor carries no offsets at all.
 
 Also here:
 
@@ -19,15 +18,12 @@ Also here:
   rank, after checking that every rank has the same structure (a mismatch would otherwise
   deadlock inside a collective).
 
-**Why gathers here never call ``DTensor.full_tensor()``.** ``RowShard`` compares equal to plain
-``Shard(0)`` (so that torch's sharding rules accept it), and DTensor's process-wide caches are keyed
-by spec equality: the redistribute planner (``_gen_transform_infos``) and sharding propagation.
-Once a genuine ``torch.chunk`` ``Shard(0)`` DTensor of the same mesh, shape and dtype has been
-redistributed in the process (torch FSDP2, ``distribute_tensor``, torch's full-state-dict loading),
-``full_tensor()`` of a ``RowShard`` tensor replays the cached ``Shard(0)`` plan (gloo aborts with
-"Received data size doesn't match"), and in the other order a ``Shard(0)`` tensor silently replays
-``RowShard``'s rows. :func:`full_of` gathers with one ``all_gather_single`` from the rows the
-placement states, outside those caches.
+**Why gathers here use plain collectives rather than ``DTensor.full_tensor()``.** They gather
+from the rows the placement states with one ``all_gather_single`` (:func:`full_of`), independent of
+DTensor's process-wide caches. Those caches used to mix ``RowShard`` with a same-shape
+``torch.chunk`` ``Shard(0)`` (a wrong-sized gather, or silently wrong rows); since
+:mod:`mfsdp2.row_propagation` they keep the two apart, and gathering outside them stays the
+defensive choice for checkpoint code, where a wrong row is the most expensive kind of bug.
 """
 
 from __future__ import annotations
