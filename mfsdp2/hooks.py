@@ -30,7 +30,6 @@ final backward callback.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from typing import Any, Optional
@@ -38,11 +37,11 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .comm import host_tensor
 from .profiling import event_log, trace_range
 from .schedule import Schedule
+from .structures import map_tensors, tensors_in
 from .te import attach_main_grads
 from .state import FSDPState, RootContext, ShardState, TrainingState, unit_state
 
@@ -209,15 +208,13 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     event_log.record("forward_begin", state.name)
     if grad and (not recompute or backward_recompute):
         state.forward_with_grad = True
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if idx:
-            outs = _PostBackward.apply(state, *[flat[i] for i in idx])
-            for i, o in zip(idx, outs):
-                flat[i] = o
-            args, kwargs = tree_unflatten(flat, spec)
+        needing = {id(t): t for t in tensors_in((args, kwargs)) if t.requires_grad}
+        if needing:
+            outs = _PostBackward.apply(state, *needing.values())
+            routed = dict(zip(needing, outs))
+            args, kwargs = map_tensors(lambda t: routed.get(id(t), t), (args, kwargs))
     if state.mp.param_dtype is not None and state.mp.cast_forward_inputs:
-        args, kwargs = tree_map(functools.partial(_cast, dtype=state.mp.param_dtype), (args, kwargs))
+        args, kwargs = map_tensors(functools.partial(_cast, dtype=state.mp.param_dtype), (args, kwargs))
     return args, kwargs
 
 
@@ -303,7 +300,7 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     state.training_state = TrainingState.IDLE
     backward_follows = False
     if grad:
-        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, functools.partial(_pre_backward_hook, state), mode="any"
@@ -330,30 +327,6 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     return _cast_output(state, output)
 
 
-def _tensors_in(obj: Any) -> list:
-    """Every tensor in a module's output: pytree containers, and also dataclasses (model outputs
-    such as ``CausalLMOutput``-style records are often plain dataclasses, which pytree treats as
-    leaves). A tensor missed here gets no pre-backward hook, and the unit would run its backward
-    on freed weights."""
-    out, stack, seen = [], [obj], set()
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif id(x) in seen:
-            continue
-        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-            seen.add(id(x))
-            stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
-        elif isinstance(x, dict):
-            seen.add(id(x))
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            seen.add(id(x))
-            stack.extend(x)
-    return out
-
-
 def _last_of_group(state: FSDPState, module: nn.Module) -> bool:
     """Whether ``module``'s forward completes its unit's forwards of this pass. A unit of several
     modules (``fully_shard([a, b])``) stays gathered until each has run (or the root's forward
@@ -369,7 +342,7 @@ def _last_of_group(state: FSDPState, module: nn.Module) -> bool:
 
 def _cast_output(state: FSDPState, output: Any) -> Any:
     if state.mp.output_dtype is not None:
-        output = tree_map(functools.partial(_cast, dtype=state.mp.output_dtype), output)
+        output = map_tensors(functools.partial(_cast, dtype=state.mp.output_dtype), output)
     return output
 
 
