@@ -50,7 +50,13 @@ def reduce_scatter_name() -> str:
 
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """Gather every rank's equal-size ``inp`` into ``out`` (rank order); ``dist.all_gather_single``
-    where torch has it, else ``dist.all_gather_into_tensor``."""
+    where torch has it, else ``dist.all_gather_into_tensor``.
+
+    One-byte float types (the float8 family: float8 *parameters* of a frozen, quantised model)
+    travel as ``uint8`` views: a gather only moves bytes, so the view is exact, and gloo (and
+    older NCCL) reject float8 tensors ("Invalid scalar type")."""
+    if out.dtype.is_floating_point and out.dtype.itemsize == 1:
+        out, inp = out.view(torch.uint8), inp.view(torch.uint8)
     return getattr(dist, all_gather_name())(out, inp, group=group, async_op=async_op)
 
 
