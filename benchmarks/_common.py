@@ -467,11 +467,10 @@ def shard(model: nn.Module, framework: str, config: str, mesh, sharding_strategy
     mp = MixedPrecisionPolicy(param_dtype=o["param_dtype"], reduce_dtype=o["reduce_dtype"], **mp_kw)
     for u in units(model):
         fully_shard(u, mesh=mesh, mp_policy=mp, reshard_after_forward=o["reshard_after_forward"], **extra)
-    # The root: mfsdp2 never reshards it between forward and backward. FSDP2 (torch 2.13) does the
-    # same only when its reshard_after_forward is left at the default (None); an explicit True makes
-    # it all-gather the root twice per step.
-    root_kw = {} if framework == "fsdp2" and o["reshard_after_forward"] else {
-        "reshard_after_forward": o["reshard_after_forward"]}
+    # The root keeps its parameters from forward to backward in both runtimes when its
+    # reshard_after_forward is left at the default (None); an explicit True makes either all-gather
+    # the root twice per step.
+    root_kw = {} if o["reshard_after_forward"] else {"reshard_after_forward": False}
     fully_shard(model, mesh=mesh, mp_policy=mp, **root_kw, **extra)
     return model
 

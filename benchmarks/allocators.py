@@ -41,7 +41,8 @@ def _shard(model, framework: str, config: str, mesh, allocator=None):
     mp = MixedPrecisionPolicy(param_dtype=o["param_dtype"], reduce_dtype=o["reduce_dtype"])
     for u in C.units(model):
         fully_shard(u, mesh=mesh, mp_policy=mp, reshard_after_forward=o["reshard_after_forward"])
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=o["reshard_after_forward"], allocator=allocator)
+    root_kw = {} if o["reshard_after_forward"] else {"reshard_after_forward": False}  # None: the root keeps them
+    fully_shard(model, mesh=mesh, mp_policy=mp, allocator=allocator, **root_kw)
     return model
 
 

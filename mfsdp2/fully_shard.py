@@ -231,7 +231,7 @@ def fully_shard(
     module: Union[nn.Module, list[nn.Module]],
     *,
     mesh: Optional[DeviceMesh] = None,
-    reshard_after_forward: Union[bool, int, None] = True,
+    reshard_after_forward: Union[bool, int, None] = None,
     shard_placement_fn: Optional[Callable] = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
@@ -244,8 +244,9 @@ def fully_shard(
 
     Apply to children first and the root last. ``module`` may be a list of modules: they form one
     unit (one all-gather, one reduction per backward pass of its parameters), every module becomes
-    an ``FSDPModule`` and the list is returned. ``reshard_after_forward``: ``True`` (or ``None``:
-    the root never reshards after forward in mfsdp2) frees the gathered parameters after forward,
+    an ``FSDPModule`` and the list is returned. ``reshard_after_forward``: ``None`` (default, FSDP2's):
+    ``True`` below the root, ``False`` for the root (its backward needs the parameters first);
+    ``True`` frees the gathered parameters after forward (the root too when passed explicitly),
     ``False`` keeps them for backward, an int ``k`` (a divisor of the group size, e.g. ranks per
     node) keeps ``N/k`` shards so backward gathers only inside blocks of ``k`` consecutive ranks.
 
@@ -268,7 +269,8 @@ def fully_shard(
             "'trace_pool' or a BucketAllocator instance"
         )
     where = type(modules[0]).__name__ if len(modules) == 1 else "[" + ", ".join(type(m).__name__ for m in modules) + "]"
-    if reshard_after_forward is None:  # FSDP2: True below the root, False for it -- mfsdp2's root never reshards
+    given = reshard_after_forward is not None
+    if reshard_after_forward is None:  # FSDP2: True below the root, False for the root (set at lazy init)
         reshard_after_forward = True
     strategy = ShardingStrategy.parse(sharding_strategy, where)
     mesh = mesh if mesh is not None else _default_mesh()
@@ -346,6 +348,7 @@ def fully_shard(
     ]
     state = FSDPState(modules[0], name, mesh, comm, groups, mp_policy, reshard_after_forward, allocator)
     state.post_forward_comm = post_forward_comm
+    state.reshard_after_forward_given = given
     state.modules = modules
     state.forward_to_run = {id(m) for m in modules}
     mark_owned(state, [[params[i] for i in idx] for idx in by_key.values()])

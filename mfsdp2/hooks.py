@@ -5,8 +5,8 @@ final backward callback.
   schedule predicts, then wait for this unit's own gather; register the unsharded parameters; in a
   grad-enabled forward, thread the inputs through :class:`_PostBackward` so the unit learns when
   its backward is done.
-* **post-forward** (module forward hook): reshard (unless ``reshard_after_forward=False`` or this
-  is the root, which backward needs first); hook the outputs so the unit unshards before its
+* **post-forward** (module forward hook): reshard (unless ``reshard_after_forward=False``, the
+  root's default: backward needs it first); hook the outputs so the unit unshards before its
   backward runs, and tell the schedule a backward will come. A forward that runs *inside*
   backward is an activation-checkpoint recompute: it neither reshards nor re-registers hooks, and
   is not recorded in the schedule. One exception: a unit whose forward ran under ``no_grad`` (a
@@ -153,6 +153,11 @@ def lazy_init(state: FSDPState) -> None:
                 f"mfsdp2: allocator={s.allocator_spec!r} was given to {s.name!r}, which is not the root; "
                 f"every unit under a root shares the root's allocator: pass it to fully_shard of the root ({state.name!r})"
             )
+    if not state.reshard_after_forward_given:
+        # FSDP2's default (None): the root keeps its parameters from forward to backward, which
+        # needs them first (the output layer) -- one all-gather saved. Passed explicitly, True
+        # reshards the root like any unit (memory over one gather), as in FSDP2.
+        state.reshard_after_forward = False
     RootContext.create(state, states, Schedule(states))
 
 
@@ -295,7 +300,7 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     ctx = state.ctx
     grad = torch.is_grad_enabled()
     last = _last_of_group(state, module)
-    if not state.is_root and (state.reshard_after_forward or not grad) and last:
+    if (state.reshard_after_forward or not grad) and last:
         reshard(state, to_group=grad and state.post_forward_comm is not None)
     state.training_state = TrainingState.IDLE
     backward_follows = False

@@ -286,6 +286,7 @@ class FSDPModule:
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for s in self._units(recurse):
             s.reshard_after_forward = reshard_after_forward
+            s.reshard_after_forward_given = True
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last before the optimizer step (FSDP2's meaning).

@@ -63,6 +63,7 @@ class FSDPState:
         self.groups = groups
         self.mp = mp
         self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward_given = True  # False: fully_shard got None (the root then keeps them)
         self.allocator_spec = allocator_spec
         self.ctx: Optional[RootContext] = None
         self.shard_state = ShardState.SHARDED
