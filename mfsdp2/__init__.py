@@ -4,6 +4,7 @@ See ``docs/design.md`` for the lifecycle, buffer layout, streams and allocator.
 """
 
 from .allocator import BucketAllocator, CachingAllocator, DynamicAllocator
+from .clip_grad import clip_grad_norm_
 from .comm import CollectiveError, comm_stats, set_collective_checks, set_collective_timeout
 from .diagnostics import check_buffers, check_finite_grads, describe, grad_norms, weight_norms
 from .layout import BufferLayout, plan_layout
@@ -41,4 +42,5 @@ __all__ = [
     "grad_norms",
     "weight_norms",
     "check_finite_grads",
+    "clip_grad_norm_",
 ]

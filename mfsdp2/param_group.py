@@ -33,6 +33,7 @@ root's forward agrees on the local signals across ranks. No user call is needed.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -77,6 +78,14 @@ class GroupConfig:
     shard_dim: Optional[int] = 0
     replicate_comm: Optional[Communicator] = None
     fp8: Optional[torch.dtype] = None  # gather as this float8 dtype with per-parameter scales (mfsdp2.fp8)
+
+
+_LIVE = weakref.WeakSet()  # every ParameterGroup alive in the process (clip_grad finds params' groups)
+
+
+def live_groups() -> list["ParameterGroup"]:
+    """The parameter groups alive in this process (a parameter's group is found among them)."""
+    return list(_LIVE)
 
 
 class ParameterGroup(GradientReduction):
@@ -180,6 +189,7 @@ class ParameterGroup(GradientReduction):
                 src = p.detach().reshape(p.shape)
                 piece.copy_(src[lo.row_start : lo.row_end] if p.dim() else src)
         self._make_params(params)
+        _LIVE.add(self)
         self.te_fused = fuses_wgrad(self)
         self.weights.free_unsharded()
         self.refresh_model_shard()
