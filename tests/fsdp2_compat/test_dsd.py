@@ -107,12 +107,18 @@ def _assert_same(ours, theirs, what):
 CASES = pytest.mark.parametrize("kind,ws", [("net", 2), ("tiny", 4)], ids=["net-ws2", "tiny-ws4"])
 
 
-@CASES
-def test_get_state_dicts_match_fsdp2_for_every_option(kind, ws):
+def _trained_reference(kind):
+    """The unsharded model and its AdamW after STEPS steps on the full batches."""
     ref = build(kind, dtype=F64)
     ref_opt = make_opt("adamw", ref.parameters())
     for s in range(STEPS):
         reference_step(ref, ref_opt, s, GB, F64)
+    return ref, ref_opt
+
+
+@CASES
+def test_get_state_dicts_match_fsdp2_for_every_option(kind, ws):
+    ref, _ = _trained_reference(kind)
     results = run_ranks(_get, ws, kind)
     for rank, got in enumerate(results):
         for i, o in enumerate(GET_OPTIONS):
@@ -177,10 +183,7 @@ def _fill_sharded(sharded, full):
 
 @CASES
 def test_set_state_dicts_match_fsdp2_for_every_option(kind, ws):
-    ref = build(kind, dtype=F64)
-    ref_opt = make_opt("adamw", ref.parameters())
-    for s in range(STEPS):
-        reference_step(ref, ref_opt, s, GB, F64)
+    ref, ref_opt = _trained_reference(kind)
     names = {id(p): n for n, p in ref.named_parameters()}
     full_model_sd = {n: p.detach().clone() for n, p in ref.named_parameters()}
     full_optim_sd = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in ref_opt.state.items()}
