@@ -39,7 +39,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .placement import RowShard
+from .placement import RowShard, chunk_rows
 
 __all__ = ["install"]
 
@@ -58,12 +58,6 @@ def _row_shard_dim(placements) -> Optional[int]:
         elif not isinstance(pl, Replicate):
             return None
     return found
-
-
-def _chunk_rows(n: int, k: int) -> list[int]:
-    """Rows per rank of ``torch.chunk(n rows, k)`` (what a plain ``Shard(0)`` means)."""
-    s = -(-n // k)
-    return [max(0, min(s, n - i * s)) for i in range(k)]
 
 
 def _source_rows(dst: DTensor, src, mesh_dim: int, lo: int, n: int) -> Optional[torch.Tensor]:
@@ -87,7 +81,7 @@ def _source_rows(dst: DTensor, src, mesh_dim: int, lo: int, n: int) -> Optional[
         isinstance(p, Replicate) for d, p in enumerate(pls) if d != mesh_dim
     ):
         mesh = dst.device_mesh
-        rows = _chunk_rows(shape[0], mesh.size(mesh_dim))
+        rows = chunk_rows(shape[0], mesh.size(mesh_dim))
         if tuple(rows) == dst.placements[mesh_dim].rows:
             return src._local_tensor  # the same split: nothing to move
         if _holds_our_rows(src._local_tensor, dst.placements[mesh_dim].rows, mesh, mesh_dim):

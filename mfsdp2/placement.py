@@ -37,7 +37,7 @@ from torch.distributed.tensor.device_mesh import DeviceMesh
 
 from . import compat
 
-__all__ = ["RowShard", "row_sharded_dtensor", "data_parallel_dtensor"]
+__all__ = ["RowShard", "row_sharded_dtensor", "data_parallel_dtensor", "chunk_rows"]
 
 
 class RowShard(Shard):
@@ -110,6 +110,12 @@ class RowShard(Shard):
         if coord is None:
             return local_tensor
         return Shard(new_shard_dim)._replicate_to_shard(full, mesh, mesh_dim, coord[mesh_dim])
+
+
+def chunk_rows(n: int, k: int) -> tuple[int, ...]:
+    """Rows per rank of ``torch.chunk(n rows, k)``: what a plain ``Shard(0)`` means."""
+    s = -(-n // k) if n and k else 0
+    return tuple(max(0, min(s, n - i * s)) for i in range(k))
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:

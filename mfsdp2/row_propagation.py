@@ -48,7 +48,7 @@ import torch.distributed.tensor as _dtensor_pkg
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from .placement import RowShard
+from .placement import RowShard, chunk_rows
 
 __all__ = ["install"]
 
@@ -85,14 +85,9 @@ def _input_row_splits(op_schema) -> dict[tuple[int, int], Any]:
                 plain.add(key)
     for key in plain & found.keys():
         rs = found[key]
-        if rs is not _CONFLICT and list(rs.rows) != _chunk_rows(key[1], len(rs.rows)):
+        if rs is not _CONFLICT and tuple(rs.rows) != chunk_rows(key[1], len(rs.rows)):
             found[key] = _CONFLICT  # a torch.chunk split and ours meet: not ours to relabel
     return found
-
-
-def _chunk_rows(n: int, k: int) -> list[int]:
-    s = -(-n // k) if k else 0
-    return [max(0, min(s, n - i * s)) for i in range(k)]
 
 
 def _relabel(spec: Optional[DTensorSpec], splits) -> Optional[DTensorSpec]:

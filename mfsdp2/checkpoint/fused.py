@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..placement import chunk_rows
 from ._common import full_of, global_rows, mesh_rank, relabel_rows, row_range
 
 __all__ = ["split_fused", "join_fused", "split_swiglu", "join_swiglu"]
@@ -106,11 +107,6 @@ def _compatible_rows(parts: Sequence[DTensor]) -> Optional[tuple[int, ...]]:
     return tuple(sum(r[q] for r in all_rows) for q in range(n))
 
 
-def _chunk_rows(total: int, n: int) -> tuple[int, ...]:
-    size = -(-total // n) if total else 0
-    return tuple(max(0, min(size, total - q * size)) for q in range(n))
-
-
 def _join_value(vs: Sequence[Any], rows: Optional[Sequence[int]]) -> Any:
     if not all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in vs):
         return vs[0]
@@ -127,7 +123,7 @@ def _join_value(vs: Sequence[Any], rows: Optional[Sequence[int]]) -> Any:
     # Not a contiguous row range per rank: gather the parts and re-shard the fused tensor.
     full = torch.cat([full_of(v) for v in vs])
     n = vs[0].device_mesh.size(0)
-    rows = tuple(rows) if rows is not None else _chunk_rows(full.shape[0], n)
+    rows = tuple(rows) if rows is not None else chunk_rows(full.shape[0], n)
     s, e = row_range(rows, mesh_rank(vs[0]))
     logger.info("mfsdp2: join_fused gathered %d parts (their shards are not contiguous when fused)", len(vs))
     return relabel_rows(full[s:e].clone(), vs[0], rows)
