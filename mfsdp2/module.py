@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from . import dtensor_ops  # noqa: F401  (copy_ into RowShard parameters)
 from . import row_propagation  # noqa: F401  (results of ops on RowShard DTensors keep RowShard)
+from . import serialization  # noqa: F401  (torch.save of state dicts holding our DTensors)
 from .allocator import BucketAllocator
 from .custom_comm import CustomCommunicator
 from .hooks import lazy_init, post_forward, pre_forward, reset, reshard, unshard_async, wait_unshard
