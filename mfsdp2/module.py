@@ -55,6 +55,16 @@ class FSDPModule:
 
     _mfsdp2_state: FSDPState
 
+    def __deepcopy__(self, memo):
+        # A copy would share nothing sound: its parameters are views of this unit's flat buffers,
+        # its hooks and root context point at this model, and the gathered storage may be freed
+        # under it. FSDP2 refuses too (with this error type, which scripts may catch).
+        raise AssertionError(
+            f"mfsdp2: {type(self).__name__} was sharded by fully_shard and cannot be deep-copied (neither "
+            "can FSDP2 modules). For a copy (an EMA model, a frozen teacher), build the model again, "
+            "fully_shard it the same way, then load_state_dict(model.state_dict())"
+        )
+
     def _units(self, recurse: bool):
         mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
         units = []

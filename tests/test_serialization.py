@@ -4,7 +4,8 @@ model loads them and holds exactly the saved weights; optimizer state dicts too.
 
 Before: saving failed ("Attempted to access the data pointer on an invalid python storage") for
 every parameter but the first of each group, whose local tensor starts at a nonzero offset of
-the flat shard."""
+the flat shard. And ``copy.deepcopy`` of a sharded model is refused with FSDP2's error type and
+what to do instead (before: an obscure storage error)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,19 @@ def test_torch_save_and_load_of_a_sharded_state_dict(tmp_path):
         for k, w in want.items():
             assert torch.equal(got[k], w), k
         assert got_loss == want_loss  # same weights, same optimizer state: the same next step
+
+
+def _deepcopy(rank, ws):
+    import copy
+
+    model = _shard(build("net", dtype=F64), init_device_mesh("cpu", (ws,)))
+    try:
+        copy.deepcopy(model)
+    except AssertionError as e:  # FSDP2's error type
+        return str(e)
+    return None
+
+
+def test_deepcopy_of_a_sharded_model_is_refused_like_fsdp2():
+    for msg in run_ranks(_deepcopy, WS):
+        assert msg is not None and "load_state_dict" in msg, msg
