@@ -169,6 +169,7 @@ class ParameterGroup(GradientReduction):
         self.fused_key = None  # its allocator key's suffix (the unit's reduction key)
         self._main_grad_alloc: Optional[BucketAllocator] = None
         self.dist_params: list[nn.Parameter] = []
+        self._row_shards: dict[int, RowShard] = {}  # as_dtensor's placements, built once
         self.unsharded_params: list[nn.Parameter] = []
         self._pending_reduce: Optional[_PendingReduce] = None
         # Micro-batches of backwards without gradient sync, summed in the reduce dtype (see
@@ -214,12 +215,14 @@ class ParameterGroup(GradientReduction):
     def as_dtensor(self, local: torch.Tensor, index: int, shape) -> torch.Tensor:
         """This rank's rows of parameter ``index`` as the optimizer-facing DTensor (``shape``:
         global; a TP parameter's lives on the (tp, dp) mesh, see :mod:`mfsdp2.tensor_parallel`)."""
-        rows = self.layout.rows_per_rank(index)
+        placement = self._row_shards.get(index)
+        if placement is None:  # one per parameter: its rows never change (O(world size) to build)
+            placement = self._row_shards[index] = RowShard(0, self.layout.rows_per_rank(index))
         spec = self.tp_specs[index]
         if spec is None:
-            return data_parallel_dtensor(local, self.mesh, rows, shape, self.config.shard_dim)
+            return data_parallel_dtensor(local, self.mesh, placement, shape, self.config.shard_dim)
         mesh = tp_dp_mesh(spec.mesh, self.mesh)
-        placements = spec.placements + (RowShard(0, rows),)
+        placements = spec.placements + (placement,)
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=spec.shape, stride=spec.stride())
 
     def register(self, unsharded: bool, check: bool = True) -> None:

@@ -29,7 +29,8 @@ parameter itself is the way to get a ``torch.chunk``-free full value.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import itertools
+from typing import Optional, Sequence, Union
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -46,17 +47,21 @@ class RowShard(Shard):
     def __init__(self, dim: int, rows: Sequence[int]):
         super().__init__(dim)
         self.rows = tuple(int(r) for r in rows)
-        self.starts = tuple(sum(self.rows[:r]) for r in range(len(self.rows)))
+        self.starts = (0,) + tuple(itertools.accumulate(self.rows))[:-1] if self.rows else ()
+        # Not Shard's hash (the dim alone): process-wide DTensor caches must keep a decision made
+        # for a torch.chunk split apart from ours, and ours apart per row split. Computed once:
+        # ``rows`` has one entry per rank (1024 at world size 1024) and DTensor hashes specs often.
+        self._hash = hash(("RowShard", self.dim, self.rows))
 
     def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
         if isinstance(other, RowShard):
-            return self.dim == other.dim and self.rows == other.rows
+            return self._hash == other._hash and self.dim == other.dim and self.rows == other.rows
         return isinstance(other, Shard) and self.dim == other.dim
 
     def __hash__(self) -> int:
-        # Not Shard's hash (the dim alone): process-wide DTensor caches must keep a decision made
-        # for a torch.chunk split apart from ours, and ours apart per row split.
-        return hash(("RowShard", self.dim, self.rows))
+        return self._hash
 
     def __repr__(self) -> str:
         return f"RowShard(dim={self.dim}, rows={self.rows})"
@@ -138,7 +143,7 @@ def row_sharded_dtensor(
 def data_parallel_dtensor(
     local: torch.Tensor,
     mesh: DeviceMesh,
-    rows: Sequence[int],
+    rows: Union[Sequence[int], "RowShard"],
     global_shape: Sequence[int],
     shard_dim: Optional[int],
 ) -> DTensor:
@@ -148,5 +153,5 @@ def data_parallel_dtensor(
     shape = torch.Size(global_shape)
     placements = [Replicate()] * mesh.ndim
     if shard_dim is not None:
-        placements[shard_dim] = RowShard(0, rows)
+        placements[shard_dim] = rows if isinstance(rows, RowShard) else RowShard(0, rows)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
