@@ -135,7 +135,18 @@ class BufferLayout:
         return ShardPiece(param_index, rank, r0, r1, lo - lo_b, hi - lo)
 
     def rows_per_rank(self, param_index: int) -> tuple[int, ...]:
-        return tuple(self.piece(param_index, r).num_rows for r in range(self.world_size))
+        """Rows of the parameter on every rank. Only the ranks whose shard overlaps its slot get
+        any: those few are computed, the rest are zeros (at 1024 ranks a parameter usually spans
+        one or two shards; asking every rank made ``fully_shard`` O(parameters x ranks) in Python)."""
+        slot = self.slots[param_index]
+        S = self.shard_numel
+        if slot.numel == 0 or slot.row_numel == 0 or S == 0:  # rows of zero elements: piece() decides
+            return tuple(self.piece(param_index, r).num_rows for r in range(self.world_size))
+        rows = [0] * self.world_size
+        first, last = slot.offset // S, min((slot.offset + slot.numel - 1) // S, self.world_size - 1)
+        for r in range(first, last + 1):
+            rows[r] = self.piece(param_index, r).num_rows
+        return tuple(rows)
 
     def describe(self) -> str:
         return (
