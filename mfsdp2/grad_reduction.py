@@ -362,7 +362,18 @@ class GradientReduction:
         step empty tensors without touching their neighbours (tests/test_empty_grads.py)."""
         if self.main_grad is None:
             return
+        # The main gradient usually comes back from the allocator at the same memory every step:
+        # then last step's gradient DTensors are views of exactly the same rows, and rebuilding
+        # them (a DTensor and its spec per parameter) is most of this function's cost.
+        mg = self.main_grad
+        key = (mg.untyped_storage()._cdata, mg.data_ptr(), mg.dtype, mg.numel())
+        cache = self._grad_dtensors
+        if cache is None or cache[0] != key:
+            cache = self._grad_dtensors = (key, [None] * len(self.dist_params))
+        made = cache[1]
         for i, dp in enumerate(self.dist_params):
             if flags[i] and dp.grad is None:
-                local = self.weights.piece_view(self.main_grad, i)
-                dp.grad = self.as_dtensor(local, i, dp.shape)
+                g = made[i]
+                if g is None:
+                    g = made[i] = self.as_dtensor(self.weights.piece_view(mg, i), i, dp.shape)
+                dp.grad = g

@@ -170,6 +170,7 @@ class ParameterGroup(GradientReduction):
         self._main_grad_alloc: Optional[BucketAllocator] = None
         self.dist_params: list[nn.Parameter] = []
         self._row_shards: dict[int, RowShard] = {}  # as_dtensor's placements, built once
+        self._grad_dtensors = None  # (main-grad memory key, gradient DTensors): see expose_grads
         self.unsharded_params: list[nn.Parameter] = []
         self._pending_reduce: Optional[_PendingReduce] = None
         # Micro-batches of backwards without gradient sync, summed in the reduce dtype (see

@@ -146,10 +146,14 @@ def _fix_shape_args(propagator, op_schema, out, spec: DTensorSpec) -> None:
 
 
 def _mixes_row_and_chunk(a, b) -> bool:
-    return any(
-        isinstance(x, Shard) and isinstance(y, Shard) and isinstance(x, RowShard) != isinstance(y, RowShard)
-        for x, y in zip(a, b)
-    )
+    if a is b:
+        return False
+    for x, y in zip(a, b):
+        # Same type (the common case) or not both shards: nothing to tell apart.
+        if type(x) is not type(y) and isinstance(x, Shard) and isinstance(y, Shard):
+            if isinstance(x, RowShard) != isinstance(y, RowShard):
+                return True
+    return False
 
 
 def _install_spec_eq() -> None:
