@@ -38,6 +38,7 @@ It now gives each rank the rows its ``RowShard`` names (the data still comes fro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Optional
 
@@ -136,13 +137,22 @@ def _fix_shape_args(propagator, op_schema, out, spec: DTensorSpec) -> None:
     if op_schema.op not in idx or out.redistribute_schema is None or not out.use_val_from_redistribute_schema:
         return
     adjust = getattr(propagator, "_adjust_shape_and_stride_args", None)
-    if adjust is None:
-        raise RuntimeError(
-            f"mfsdp2: cannot compute the local shape argument of {op_schema.op} for a RowShard "
-            "DTensor on this torch version; call it on .to_local() and rebuild the DTensor with "
-            "mfsdp2.placement.data_parallel_dtensor"
-        )
-    out.redistribute_schema = adjust(spec.tensor_meta, out.redistribute_schema, spec)
+    if adjust is not None:
+        out.redistribute_schema = adjust(spec.tensor_meta, out.redistribute_schema, spec)
+        return
+    # Older torch does the rewrite inline: redo it the same way (global -> local shape/stride).
+    from torch.distributed.tensor._op_schema import OpSchema
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset, compute_local_stride
+
+    where = idx[op_schema.op]
+    shape_idx, stride_idx = where if isinstance(where, tuple) else (where, None)
+    schema = out.redistribute_schema
+    args = list(schema.args_schema)
+    local_shape, _ = compute_local_shape_and_global_offset(spec.tensor_meta.shape, spec.mesh, spec.placements)
+    args[shape_idx] = local_shape
+    if stride_idx is not None:
+        args[stride_idx] = compute_local_stride(spec.tensor_meta.stride, local_shape)
+    out.redistribute_schema = OpSchema(schema.op, tuple(args), schema.kwargs_schema)
 
 
 def _mixes_row_and_chunk(a, b) -> bool:
@@ -235,7 +245,10 @@ def install() -> None:
     cache = prop.propagate_op_sharding
     # The cached entry point captured the unwrapped method when DTensor built it: rebuild it
     # around ours (same cache class), emptied, so nothing computed before is reused.
-    prop.propagate_op_sharding = type(cache)(propagate_op_sharding_non_cached)
+    try:
+        prop.propagate_op_sharding = type(cache)(propagate_op_sharding_non_cached)
+    except TypeError:  # a torch whose cache class is not built from the function alone
+        prop.propagate_op_sharding = functools.lru_cache(maxsize=None)(propagate_op_sharding_non_cached)
     prop._mfsdp2_row_propagation = True
     logger.debug("mfsdp2: RowShard-preserving sharding propagation installed")
 
