@@ -60,6 +60,16 @@ def build(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Mo
     return m.to(dtype)
 
 
+def shard_blocks(model: nn.Module, mesh, fully_shard=None, **kwargs) -> nn.Module:
+    """``fully_shard`` each of ``model.blocks``, then the root (mfsdp2's unless another is given)."""
+    if fully_shard is None:
+        from mfsdp2 import fully_shard
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
 def batch(step: int, n: int, d_in: int, seed: int = 1234, dtype: torch.dtype = torch.float32):
     """Inputs and targets of a fixed linear teacher plus noise, so the loss can fall (drawn in
     fp32, then converted: the same data for every dtype)."""

@@ -11,23 +11,16 @@ import mfsdp2
 from mfsdp2 import fully_shard
 
 from ._dist import run_ranks
-from .models import build, make_opt, sharded_train_step
-
-
-def _shard(model, mesh):
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+from .models import build, make_opt, sharded_train_step, shard_blocks
 
 
 def _meta_vs_normal(rank, ws, kind):
     mesh = init_device_mesh("cpu", (ws,))
-    normal = _shard(build(kind, seed=0), mesh)
+    normal = shard_blocks(build(kind, seed=0), mesh)
     with torch.device("meta"):
         meta = build(kind, seed=0)  # build() seeds the RNG first; meta tensors draw nothing
     torch.manual_seed(0)  # the stream the normal build started from
-    _shard(meta, mesh)
+    shard_blocks(meta, mesh)
     groups = [g for m in meta.modules() if hasattr(m, "_mfsdp2_state") for g in m._mfsdp2_state.groups]
     assert all(g.needs_init for g in groups)
     mfsdp2.materialize(meta)
@@ -50,7 +43,7 @@ def _meta_errors(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     with torch.device("meta"):
         m = build("net")
-    _shard(m, mesh)
+    shard_blocks(m, mesh)
     out = {}
     try:
         m(torch.zeros(1, 12))

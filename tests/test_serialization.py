@@ -15,24 +15,17 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from mfsdp2 import RowShard, fully_shard
+from mfsdp2 import RowShard
 
 from ._dist import run_ranks
-from .models import F64, build, make_opt, sharded_train_step
+from .models import F64, build, make_opt, sharded_train_step, shard_blocks
 
 WS, GB = 2, 8
 
 
-def _shard(model, mesh):
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def _save_and_load(rank, ws, path):
     mesh = init_device_mesh("cpu", (ws,))
-    model = _shard(build("net", dtype=F64), mesh)
+    model = shard_blocks(build("net", dtype=F64), mesh)
     opt = make_opt("adamw", model.parameters())
     sharded_train_step(model, opt, 0, rank, ws, GB)
     f = os.path.join(path, f"rank{rank}.pt")
@@ -44,7 +37,7 @@ def _save_and_load(rank, ws, path):
     placements_ok = all(
         isinstance(v, DTensor) and isinstance(v.placements[0], RowShard) for v in loaded["model"].values()
     )
-    fresh = _shard(build("net", seed=1, dtype=F64), mesh)
+    fresh = shard_blocks(build("net", seed=1, dtype=F64), mesh)
     fresh_opt = make_opt("adamw", fresh.parameters())
     fresh.load_state_dict(loaded["model"])
     fresh_opt.load_state_dict(loaded["optim"])
@@ -64,7 +57,7 @@ def test_torch_save_and_load_of_a_sharded_state_dict(tmp_path):
 def _deepcopy(rank, ws):
     import copy
 
-    model = _shard(build("net", dtype=F64), init_device_mesh("cpu", (ws,)))
+    model = shard_blocks(build("net", dtype=F64), init_device_mesh("cpu", (ws,)))
     try:
         copy.deepcopy(model)
     except AssertionError as e:  # FSDP2's error type

@@ -20,8 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from mfsdp2 import fully_shard as mfsdp2_shard
-
+from . import sharded_pair
 from .._dist import run_ranks
 from ..models import F64, REL_F64, assert_close_rel, build, make_opt, reference_step, sharded_train_step
 
@@ -35,17 +34,6 @@ SET_OPTIONS = [
     dict(full_state_dict=True, broadcast_from_rank0=True, strict=True),
     dict(full_state_dict=True, broadcast_from_rank0=True, strict=False),
 ]
-
-
-def _shard_pair(mesh, kind):
-    from torch.distributed.fsdp import fully_shard as torch_shard
-
-    models = {"fsdp2": build(kind, dtype=F64), "mfsdp2": build(kind, dtype=F64)}
-    for name, shard in (("fsdp2", torch_shard), ("mfsdp2", mfsdp2_shard)):
-        for b in models[name].blocks:
-            shard(b, mesh=mesh)
-        shard(models[name], mesh=mesh)
-    return models
 
 
 def _describe(tree):
@@ -73,7 +61,7 @@ def _describe(tree):
 
 def _get(rank, ws, kind):
     mesh = init_device_mesh("cpu", (ws,))
-    models = _shard_pair(mesh, kind)
+    models = sharded_pair(mesh, kind)
     opts = {k: make_opt("adamw", m.parameters()) for k, m in models.items()}
     for step in range(STEPS):
         for k in models:
@@ -138,7 +126,7 @@ def _set(rank, ws, kind, full_model_sd, full_optim_sd):
     mesh = init_device_mesh("cpu", (ws,))
     out = {}
     for i, o in enumerate(SET_OPTIONS):
-        models = _shard_pair(mesh, kind)
+        models = sharded_pair(mesh, kind)
         opts = {k: make_opt("adamw", m.parameters()) for k, m in models.items()}
         options = StateDictOptions(**o)
         for k, m in models.items():

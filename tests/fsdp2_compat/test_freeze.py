@@ -10,23 +10,14 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp2 import fully_shard
-
 from .._dist import run_ranks
-from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, build, make_opt, reference_step, sharded_train_step
+from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, build, make_opt, reference_step, sharded_train_step, shard_blocks
 
 WS, STEPS, GB = 2, 3, 8
 
 
-def _shard(model, mesh):
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def _freeze_after(rank, ws):
-    model = _shard(build("net", dtype=F64), init_device_mesh("cpu", (ws,)))
+    model = shard_blocks(build("net", dtype=F64), init_device_mesh("cpu", (ws,)))
     model.blocks[1].requires_grad_(False)
     model.head.bias.requires_grad_(False)  # one parameter of the root's group, the rest trains
     opt = make_opt("adamw", model.parameters())  # every parameter, as FSDP2 scripts pass them
@@ -53,7 +44,7 @@ def test_requires_grad_false_after_fully_shard_freezes_like_unsharded():
 
 def _unfreeze_after(rank, ws):
     model = build("frozen", dtype=F64)  # blocks[1] sharded frozen
-    _shard(model, init_device_mesh("cpu", (ws,)))
+    shard_blocks(model, init_device_mesh("cpu", (ws,)))
     model.blocks[1].requires_grad_(True)
     opt = make_opt("adamw", model.parameters())
     try:

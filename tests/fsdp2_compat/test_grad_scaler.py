@@ -9,24 +9,16 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp2 import fully_shard as mfsdp2_shard
-
+from . import sharded_pair
 from .._dist import run_ranks
-from ..models import F64, REL_F64, assert_close_rel, batch, build, loss_fn, make_opt
+from ..models import F64, REL_F64, assert_close_rel, batch, loss_fn, make_opt
 
 WS, GB = 2, 8
 
 
 def _run(rank, ws):
-    from torch.distributed.fsdp import fully_shard as torch_shard
-
-    mesh = init_device_mesh("cpu", (ws,))
     out = {}
-    for name, shard in (("fsdp2", torch_shard), ("mfsdp2", mfsdp2_shard)):
-        model = build("net", dtype=F64)
-        for b in model.blocks:
-            shard(b, mesh=mesh)
-        shard(model, mesh=mesh)
+    for name, model in sharded_pair(init_device_mesh("cpu", (ws,))).items():
         opt = make_opt("sgd", model.parameters())
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
         record = []

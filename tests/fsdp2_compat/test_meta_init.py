@@ -24,17 +24,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from .._dist import run_ranks
-from ..models import assert_close_rel, batch, build, loss_fn, make_opt, sharded_train_step
+from ..models import assert_close_rel, batch, build, loss_fn, make_opt, sharded_train_step, shard_blocks
 
 WS, STEPS, GB = 2, 3, 8
 REL = 1e-10
-
-
-def _shard(model, mesh, fully_shard):
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def _full(p) -> torch.Tensor:
@@ -89,7 +82,7 @@ def _meta_to_empty_reset(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     with torch.device("meta"):
         model = build("net").to(torch.float64)
-    _shard(model, mesh, fully_shard)
+    shard_blocks(model, mesh, fully_shard)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
@@ -143,7 +136,7 @@ def _meta_copy_init(rank, ws):
     full = {k: v.detach().to(torch.float64) for k, v in build("net", seed=3).named_parameters()}
     with torch.device("meta"):
         model = build("net").to(torch.float64)
-    _shard(model, mesh, fully_shard)
+    shard_blocks(model, mesh, fully_shard)
     model.to_empty(device="cpu")
     _copy_init(full, model, mesh)
     inited = {k: _full(p) for k, p in model.named_parameters()}
@@ -172,7 +165,7 @@ def _to_float64(rank, ws):
     from mfsdp2 import fully_shard
 
     mesh = init_device_mesh("cpu", (ws,))
-    model = _shard(build("net"), mesh, fully_shard)  # float32
+    model = shard_blocks(build("net"), mesh, fully_shard)  # float32
     params_before = list(model.parameters())
     model.to(torch.float64)
     same_objects = all(a is b for a, b in zip(params_before, model.parameters()))
@@ -196,7 +189,7 @@ def _script(fully_shard, mesh, full, rank):
     """The same user script for both libraries: meta build, shard, to_empty, init, train."""
     with torch.device("meta"):
         model = build("net").to(torch.float64)
-    _shard(model, mesh, fully_shard)
+    shard_blocks(model, mesh, fully_shard)
     model.to_empty(device="cpu")
     from torch.distributed.tensor import Replicate, distribute_tensor
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp2 import fully_shard as mfsdp2_shard
-
+from . import sharded_pair
 from .._dist import run_ranks
-from ..models import F64, REL_F64, assert_close_rel, batch, build, loss_fn, make_opt
+from ..models import F64, REL_F64, assert_close_rel, batch, loss_fn, make_opt
 
 WS, MICRO, PER = 2, 4, 2
 ORDER = [("f", 0), ("f", 1), ("b", 0), ("f", 2), ("b", 1), ("f", 3), ("b", 2), ("b", 3)]
@@ -42,15 +41,8 @@ def _stage_step(model, opt, step, rank):
 
 
 def _run(rank, ws):
-    from torch.distributed.fsdp import fully_shard as torch_shard
-
-    mesh = init_device_mesh("cpu", (ws,))
     out = {}
-    for name, shard in (("fsdp2", torch_shard), ("mfsdp2", mfsdp2_shard)):
-        model = build("net", dtype=F64)
-        for b in model.blocks:
-            shard(b, mesh=mesh)
-        shard(model, mesh=mesh)
+    for name, model in sharded_pair(init_device_mesh("cpu", (ws,))).items():
         opt = make_opt("adamw", model.parameters())
         grads = [_stage_step(model, opt, s, rank) for s in range(2)]
         out[name] = (grads, {k: p.full_tensor() for k, p in model.named_parameters()})
