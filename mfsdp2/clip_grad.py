@@ -156,18 +156,14 @@ def clip_grad_norm_(
 
     # 1. Local powers per communicator (one all-reduce each: normally the model's shard group).
     per_comm: dict[object, list] = {}
-    each: dict[str, torch.Tensor] = {}
     device = None
     for g, items in flat.items():
-        total, per = _group_powers(g, [i for i, _ in items], norm_type, param_norms or error_if_nonfinite)
+        total, _ = _group_powers(g, [i for i, _ in items], norm_type, want_each=False)
         device = total.device
         # ZeRO-1/2/3 expose this rank's rows: sum over the shard group (HSDP replicas hold the
         # same rows, so not over them). no_shard exposes the whole gradient on every rank.
         replicated = g.comm.world_size == 1 or _is_no_shard(g)
         per_comm.setdefault(None if replicated else g.comm.group, []).append(total)
-        if per is not None:
-            for i, p in items:
-                each[name_of[id(p)]] = per[i]
     totals = []
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     for group, parts in per_comm.items():
@@ -175,8 +171,6 @@ def clip_grad_norm_(
         if group is not None:
             dist.all_reduce(t, op=op, group=group)
         totals.append(t)
-    if param_norms or error_if_nonfinite:
-        _reduce_each(each, flat, name_of, norm_type, op)
 
     # 2. Gradients outside our flat shards: torch's own norm (DTensors reduce themselves).
     if other:
@@ -187,19 +181,14 @@ def clip_grad_norm_(
             t = torch.nn.utils.get_total_norm(grads, norm_type)
             t = t.full_tensor() if isinstance(t, DTensor) else t
         totals.append(t if norm_type == math.inf else t.pow(norm_type))
-        if param_norms or error_if_nonfinite:
-            for p in other:
-                if norm_type == math.inf:
-                    n = _inf_norm([p.grad])
-                else:
-                    n = torch.linalg.vector_norm(p.grad, norm_type)
-                each[name_of[id(p)]] = n.full_tensor() if isinstance(n, DTensor) else n
         device = device or t.device
 
     stacked = torch.stack([t.to(device) for t in totals])
     total = stacked.amax() if norm_type == math.inf else stacked.sum().pow(1.0 / norm_type)
+    each = _param_norms(flat, other, name_of, norm_type, op) if param_norms else None
 
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
+    if error_if_nonfinite and not bool(torch.isfinite(total)):  # the same answer on every rank
+        each = each if each is not None else _param_norms(flat, other, name_of, norm_type, op)
         bad = sorted(n for n, v in each.items() if not bool(torch.isfinite(v)))
         raise RuntimeError(
             f"mfsdp2.clip_grad_norm_: the total norm of order {norm_type} is non-finite; gradients with "
@@ -220,6 +209,20 @@ def clip_grad_norm_(
     if param_norms:
         return total, {n: each[n] for n, _ in named}
     return total
+
+
+def _param_norms(flat, other, name_of, norm_type: float, op) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient norm (collective: one all-reduce per shard group)."""
+    each: dict[str, torch.Tensor] = {}
+    for g, items in flat.items():
+        _, per = _group_powers(g, [i for i, _ in items], norm_type, want_each=True)
+        for i, p in items:
+            each[name_of[id(p)]] = per[i]
+    _reduce_each(each, flat, name_of, norm_type, op)
+    for p in other:
+        n = _inf_norm([p.grad]) if norm_type == math.inf else torch.linalg.vector_norm(p.grad, norm_type)
+        each[name_of[id(p)]] = n.full_tensor() if isinstance(n, DTensor) else n
+    return each
 
 
 def _inf_norm(grads: list[torch.Tensor]) -> torch.Tensor:
