@@ -192,15 +192,14 @@ def _row_shard_distributable(placements) -> bool:
 
 
 def _wrap_distribute_tensor(plain_distribute):
-    def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_rank=0):
-        if isinstance(tensor, DTensor) or not _row_shard_distributable(placements):
-            return plain_distribute(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+    def distribute_tensor(tensor, device_mesh=None, placements=None, **kwargs):
+        # kwargs (``src_data_rank`` on the torch versions that have it) pass through untouched.
+        if isinstance(tensor, DTensor) or device_mesh is None or not _row_shard_distributable(placements):
+            return plain_distribute(tensor, device_mesh, placements, **kwargs)
         placements = tuple(placements)
         # Replicate first (torch moves the data from src_data_rank, or not at all for None),
         # then keep this rank's rows of every RowShard dimension.
-        replicated = plain_distribute(
-            tensor, device_mesh, [Replicate()] * len(placements), src_data_rank=src_data_rank
-        )
+        replicated = plain_distribute(tensor, device_mesh, [Replicate()] * len(placements), **kwargs)
         local = replicated.to_local()
         coord = device_mesh.get_coordinate()
         for d, p in enumerate(placements):
