@@ -16,12 +16,10 @@ are taken directly --
   communication (DTensor itself refuses mixing plain tensors and DTensors here; for our
   parameters the meaning is unambiguous: the full value);
 * a DTensor on the same mesh, ``Replicate`` on every dimension: its local tensor, sliced;
-* a DTensor with the destination's placements (our rows): a local copy;
+* a DTensor with the destination's placements (our rows; results computed from our parameters
+  carry them too, see :mod:`mfsdp2.row_propagation`): a local copy;
 * a DTensor ``Shard(0)`` (``torch.chunk`` rows, e.g. from torch FSDP2 or ``distribute_tensor``):
-  gathered with plain collectives on the chunk row counts (never ``full_tensor()``: the
-  redistribute caches alias ``Shard(0)`` and ``RowShard``, see :mod:`mfsdp2.placement`), then
-  sliced -- unless its local row counts are ours on every rank: then it is a result computed from
-  our parameters that DTensor relabelled ``Shard(0)``, and its rows are copied as they are.
+  gathered with plain collectives on the chunk row counts, then sliced.
 
 Traced code (dynamo's fake tensors) is left to DTensor: it runs no collectives, and what a compiled
 optimizer step copies into a parameter is computed from our parameters.
@@ -84,26 +82,9 @@ def _source_rows(dst: DTensor, src, mesh_dim: int, lo: int, n: int) -> Optional[
         rows = chunk_rows(shape[0], mesh.size(mesh_dim))
         if tuple(rows) == dst.placements[mesh_dim].rows:
             return src._local_tensor  # the same split: nothing to move
-        if _holds_our_rows(src._local_tensor, dst.placements[mesh_dim].rows, mesh, mesh_dim):
-            return src._local_tensor
         full = RowShard(0, rows)._to_replicate_tensor(src._local_tensor, mesh, mesh_dim, shape)
         return full.narrow(0, lo, n)
     return None
-
-
-def _holds_our_rows(local: torch.Tensor, ours, mesh, mesh_dim: int) -> bool:
-    """Whether a source labelled plain ``Shard(0)`` really holds *our* rows on every rank.
-
-    The label is ambiguous: a ``torch.chunk``-sharded tensor (FSDP2, ``distribute_tensor``) carries
-    it, and so does any out-of-place result computed from our parameters (``p * 0.5``,
-    ``p.clamp(...)``: DTensor's C++ fast path relabels ``RowShard`` as ``Shard(0)``), which holds
-    our rows. Where the two splits give a rank the same count its local size cannot tell them
-    apart, so the ranks compare their local row counts (one tiny all-gather; every rank reaches
-    here for the same copy_, since the decision so far used metadata only)."""
-    group = mesh.get_group(mesh_dim)
-    counts = [None] * mesh.size(mesh_dim)
-    torch.distributed.all_gather_object(counts, int(local.shape[0]) if local.dim() else 1, group=group)
-    return tuple(counts) == tuple(ours)
 
 
 def _copy_handler(op_call, args, kwargs):
