@@ -107,9 +107,12 @@ def test_fp8_all_gather_halves_bytes_and_tracks_bf16_loss():
         assert_losses_close(losses, ref_losses, f"fp8 rank {rank}", loss_tol)
         for name, ref in ref_params.items():
             assert_close_rel(full[name], ref, f"fp8 rank {rank} {name}", tol[name])
-    # Sharp enough to see the quantisation: the bf16 reference (no FP8) is outside the tolerance.
-    bf16_ref_losses, bf16_ref_params = same_cast_reference(STEPS, 2, 4, **_llama_reference_args(fp8=False))
-    assert max(abs(a - b) / abs(b) for a, b in zip(bf16_ref_losses, ref_losses)) > loss_tol
+    # Sharp enough to see the quantisation: the bf16 reference (no FP8) is outside the weight
+    # tolerances. Not asserted on the losses: FP8's effect on a 20-step loss (~1e-3 relative) is
+    # of the order of the loss's own spread between two batch splits, so which one is larger
+    # depends on the CPU's bf16 matmul kernels (1.26e-3 vs 1.36e-3 on an AVX-512-BF16 EPYC; the
+    # other way round without AVX-512). The weights separate by 1.3-10x on both.
+    _, bf16_ref_params = same_cast_reference(STEPS, 2, 4, **_llama_reference_args(fp8=False))
     outside = [k for k, r in ref_params.items() if rel_dist(bf16_ref_params[k], r) > tol[k]]
     assert len(outside) > len(ref_params) // 2, (outside, tol)
     # Bytes: every float8 element saves exactly one byte against bf16 (forward + backward gathers).
