@@ -472,7 +472,13 @@ def _sync_grad_presence(ctx: RootContext) -> None:
         k = 0
         for g in groups:
             n = len(g.local_grad_flags)
-            g.expose_grads(flat[k : k + n])
+            # Only the parameters used on other ranks alone: those with a local gradient were
+            # exposed (and hooked) at their reduction, and a post-accumulate-grad hook may have
+            # cleared them since (optimizer-in-backward's zero_grad) -- exposing them again undid
+            # that, and the next step accumulated onto a gradient already stepped.
+            others = [a and not b for a, b in zip(flat[k : k + n], g.local_grad_flags)]
+            g.expose_grads(others)
+            g.run_post_accumulate_grad_hooks(others)
             k += n
     for g in groups:
         g.local_grad_flags = [False] * len(g.local_grad_flags)
