@@ -233,7 +233,7 @@ def fully_shard(
     mesh: Optional[DeviceMesh] = None,
     reshard_after_forward: Union[bool, int, None] = None,
     shard_placement_fn: Optional[Callable] = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # or torch.distributed.fsdp's
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
     dp_mesh_dims=None,
@@ -269,6 +269,7 @@ def fully_shard(
             "'trace_pool' or a BucketAllocator instance"
         )
     where = type(modules[0]).__name__ if len(modules) == 1 else "[" + ", ".join(type(m).__name__ for m in modules) + "]"
+    mp_policy = MixedPrecisionPolicy.coerce(mp_policy, where)
     given = reshard_after_forward is not None
     if reshard_after_forward is None:  # FSDP2: True below the root, False for the root (set at lazy init)
         reshard_after_forward = True
