@@ -1,4 +1,5 @@
-"""In-place ``copy_`` into our ``RowShard`` parameters, from any full-tensor description.
+"""DTensor op handlers for our ``RowShard`` DTensors: in-place ``copy_`` into our parameters from any
+full-tensor description, and infinity norms over empty pieces.
 
 Why: initialising or loading a sharded parameter in place (``p.copy_(distribute_tensor(full,
 mesh, [Replicate()]))``, a model's own ``load_state_dict`` pre-hook that merges q/k/v and copies
@@ -26,6 +27,15 @@ optimizer step copies into a parameter is computed from our parameters.
 
 Anything else (other meshes, partial sums, tensor-parallel layouts) goes to DTensor's default
 handling. Every other destination is untouched: the handler hands the call back to DTensor.
+
+Infinity norms (``torch.linalg.vector_norm(g, inf)``, ``torch._foreach_norm(grads, inf)``: what
+``clip_grad_norm_(..., norm_type=inf)`` computes) of a DTensor run the local kernel on each rank's
+piece and combine by a max across ranks. Our layout leaves a rank without rows of many
+parameters (a bias lives on one rank), and the local kernel refuses an empty tensor ("cannot
+compute the infinity norm on an empty tensor"): torch's ``clip_grad_norm_`` with ``inf`` failed on
+every mfsdp2 model. An empty piece's contribution is the identity of the combine (0 for ``inf``,
+``+inf`` for ``-inf``), so such a piece is handed to DTensor as a one-element stand-in holding it,
+under the same spec; the result is the norm of the whole tensor, as for FSDP2.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ __all__ = ["install"]
 logger = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
-_previous = None  # a handler someone registered before us (chained, not replaced)
+_previous: dict = {}  # op -> a handler someone registered before us (chained, not replaced)
 
 
 def _row_shard_dim(placements) -> Optional[int]:
@@ -107,9 +117,40 @@ def _copy_handler(op_call, args, kwargs):
     return dst
 
 
+def _empty_row_piece(t) -> bool:
+    return (
+        isinstance(t, DTensor)
+        and t._local_tensor.numel() == 0
+        and any(isinstance(p, RowShard) for p in t.placements)
+        and not is_fake(t._local_tensor)
+    )
+
+
+def _stand_in(t: DTensor, value: float) -> DTensor:
+    """``t``'s spec over a one-element local piece holding ``value``."""
+    local = torch.full((1,) * t.dim(), value, dtype=t.dtype, device=t._local_tensor.device)
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _norm_handler(op_call, args, kwargs):
+    foreach = op_call is _aten._foreach_norm.Scalar
+    order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dim = None if foreach else (args[2] if len(args) > 2 else kwargs.get("dim"))
+    if dim is None and order in (float("inf"), float("-inf")) and not torch.compiler.is_compiling():
+        identity = 0.0 if order > 0 else float("inf")
+
+        def swap(t):
+            return _stand_in(t, identity) if _empty_row_piece(t) else t
+
+        first = [swap(t) for t in args[0]] if foreach else swap(args[0])
+        args = (first,) + tuple(args[1:])
+    return _default(op_call, args, kwargs)
+
+
 def _default(op_call, args, kwargs):
-    if _previous is not None:
-        return _previous(op_call, args, kwargs)
+    previous = _previous.get(op_call)
+    if previous is not None:
+        return previous(op_call, args, kwargs)
     handlers = DTensor._op_dispatcher._custom_op_handlers
     mine = handlers.pop(op_call)  # DTensor's own path, then ours again
     try:
@@ -118,16 +159,24 @@ def _default(op_call, args, kwargs):
         handlers[op_call] = mine
 
 
+_HANDLERS = {
+    _aten.copy_.default: _copy_handler,
+    _aten.linalg_vector_norm.default: _norm_handler,
+    _aten._foreach_norm.Scalar: _norm_handler,
+}
+
+
 def install() -> None:
-    """Register the ``copy_`` handler once per process (idempotent)."""
-    global _previous
+    """Register the handlers once per process (idempotent)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    current = handlers.get(_aten.copy_.default)
-    if current is _copy_handler:
-        return
-    _previous = current
-    handlers[_aten.copy_.default] = _copy_handler
-    logger.debug("mfsdp2: DTensor copy_ handler for RowShard destinations installed")
+    for op, handler in _HANDLERS.items():
+        current = handlers.get(op)
+        if current is handler:
+            continue
+        if current is not None:
+            _previous[op] = current
+        handlers[op] = handler
+    logger.debug("mfsdp2: DTensor copy_ / infinity-norm handlers for RowShard DTensors installed")
 
 
 install()
