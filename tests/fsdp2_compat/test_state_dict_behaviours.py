@@ -17,6 +17,8 @@ suite uses them, run by FSDP2 and by mfsdp2 on the same float64 model in the sam
 * ``torch.nn.utils.clip_grad_norm_(..., foreach=True)`` for norm orders 2, 1 and inf: the total
   norm, the clipped gradients, and the all-reduces it issues (counted by ``CommDebugMode``) are
   FSDP2's; the norm is the unsharded model's.
+* Whole-tensor ``max`` / ``min`` / ``amax`` / ``amin`` / inf-norm of each gradient equal the same
+  reduction of the full gradient, on ranks holding no rows of it too.
 
 Tolerance: REL_F64 (float64; only reduction order differs).
 """
@@ -192,7 +194,21 @@ def clip(shard, mesh, rank):
     return out
 
 
-CASES = (keys_and_values, after_forward, aliasing, load_new_dtensors, meta_init_from_state_dict, full_on_rank0, clip)
+def reductions(shard, mesh, rank):
+    """Whole-tensor max / min / amax / amin / inf-norm of every gradient (logging code does this)."""
+    model = _wrap(_model(), shard, mesh)
+    model(_x(0, rank)).pow(2).sum().backward()
+    ops = {
+        "absmax": lambda g: g.abs().max(),
+        "min": lambda g: g.min(),
+        "amax": lambda g: g.amax(),
+        "amin": lambda g: g.amin(),
+        "norm_inf": lambda g: torch.linalg.vector_norm(g, float("inf")),
+    }
+    return {(k, name): (full(f(p.grad)), f(full(p.grad))) for k, p in model.named_parameters() for name, f in ops.items()}
+
+
+CASES = (keys_and_values, after_forward, aliasing, load_new_dtensors, meta_init_from_state_dict, full_on_rank0, clip, reductions)
 
 
 def _rank(rank, ws):
@@ -275,3 +291,16 @@ def test_torch_clip_grad_norm_matches_fsdp2(norm_type):
         for k, g in theirs["after"].items():
             assert_close_rel(ours["before"][k], theirs["before"][k], f"grad {k}", REL_F64)
             assert_close_rel(ours["after"][k], g, f"clipped grad {k}", REL_F64)
+
+
+def test_whole_tensor_reductions_of_gradients_match_fsdp2():
+    """Each reduction of the sharded gradient equals the same reduction of the full gradient, on
+    both runtimes (mfsdp2's layout leaves ranks without rows of some parameters: their empty
+    pieces used to raise there while the other ranks waited)."""
+    for res in _results():
+        ours, theirs = res[("reductions", "mfsdp2")], res[("reductions", "fsdp2")]
+        assert list(ours) == list(theirs)
+        for key, (sharded, whole) in theirs.items():
+            assert torch.equal(sharded, whole), ("FSDP2", key)
+            assert torch.equal(ours[key][0], ours[key][1]), ("mfsdp2", key)
+            assert_close_rel(ours[key][0], sharded, f"{key}", REL_F64)
