@@ -10,6 +10,8 @@ in the same process.
   mesh and a dim-0 ``Shard`` placement; full values equal the original tensors.
 * The class swap: ``FSDP<Cls>``, still a ``Cls``; slicing a wrapped ``nn.Sequential`` gives a
   plain ``Sequential`` (it was an ``FSDPSequential`` without unit state).
+* User forward pre-hooks on a unit see its unsharded (plain, full, contiguous) parameters, its
+  post-hooks see what FSDP2's see (resharded or kept).
 * ``unshard()`` before the first forward gathers the original values; ``unshard(async_op=True)``
   on a unit without parameters returns a handle that waits.
 * Errors: for each misuse FSDP2 refuses, mfsdp2 raises an exception of FSDP2's type (or a
@@ -136,6 +138,31 @@ def unshard_before_forward(shard, mesh):
     return {"gathered": gathered, "resharded": all(_is_dt(p) for p in model.parameters())}
 
 
+def user_hooks(shard, mesh):
+    """Forward pre/post hooks a user registers on a unit after ``fully_shard``: what the
+    parameters are when they run (FSDP2 runs its own pre-forward first, its post-forward first)."""
+    out = {}
+    for raf in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(MLP(4), MLP(4))
+        for m in model:
+            shard(m, mesh=mesh, reshard_after_forward=raf)
+        shard(model, mesh=mesh)
+        seen = []
+
+        def pre(m, args):
+            seen.append(("pre", [(_is_dt(p), tuple(p.shape), p.is_contiguous()) for p in m.parameters()]))
+
+        def post(m, args, output):
+            seen.append(("post", [_is_dt(p) for p in m.parameters()]))
+
+        model[0].register_forward_pre_hook(pre)
+        model[0].register_forward_hook(post)
+        model(torch.randn(2, 4)).sum().backward()
+        out[raf] = seen
+    return out
+
+
 def errors(shard, mesh):
     from torch.distributed.tensor import Shard
 
@@ -232,7 +259,7 @@ def _rank(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     out = {}
     for lib, shard in runtimes().items():
-        for fn in (registration, parameters, classes, unshard_before_forward, errors):
+        for fn in (registration, parameters, classes, unshard_before_forward, user_hooks, errors):
             out[(fn.__name__, lib)] = fn(shard, mesh)
     out["channels_last"] = channels_last(rank, ws)
     return out
@@ -243,7 +270,7 @@ def _results():
     return run_ranks(_rank, WS, timeout=300)
 
 
-@pytest.mark.parametrize("what", ["registration", "parameters", "unshard_before_forward"])
+@pytest.mark.parametrize("what", ["registration", "parameters", "unshard_before_forward", "user_hooks"])
 def test_registered_parameters_match_fsdp2(what):
     for res in _results():
         ours, theirs = res[(what, "mfsdp2")], res[(what, "fsdp2")]

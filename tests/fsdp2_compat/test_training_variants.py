@@ -4,7 +4,8 @@ full gradient (present on both sides or on neither).
 
 Patterns: a different ``reshard_after_forward`` per unit; a unit called twice in one forward;
 several forwards before one backward with nested units; a forward output left out of the loss;
-a unit that never runs; activations wrapped in list / namedtuple / tuple / dict between units;
+a unit that never runs; unused parameters inside a unit, and a grouped unit whose first module
+never runs; activations wrapped in list / namedtuple / tuple / dict between units;
 tied parameters inside one unit (uneven vocabulary); buffers (BatchNorm running statistics,
 persistent and non-persistent); a forward and backward through a non-root unit after the root's;
 explicit forward / backward prefetching; per-parameter optimizers stepped from
@@ -331,6 +332,33 @@ def optimizer_in_backward(shard, mesh, rank):
     return {"losses": losses, "final": snapshot(model), "calls": dict(calls)}
 
 
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Linear(1, 1)
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return F.relu(self.lin(x))
+
+
+def unused_parameters(shard, mesh, rank):
+    """A grouped unit ``[unused, lin]`` whose first module never runs (its pass stays partial
+    until the root's forward ends), and one whose parameters include an unused one."""
+    out = {}
+    for grouped in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(WithUnused(), WithUnused(), nn.Linear(D, D)).double()
+        for m in model[:2]:
+            if grouped:
+                shard([m.unused, m.lin], mesh=mesh)
+            else:
+                shard(m, mesh=mesh)
+        shard(model, mesh=mesh)
+        out[grouped] = _train(model, STEPS, lambda m, s: m(_x(s, rank)).pow(2).sum())
+    return out
+
+
 class NoInputs(nn.Module):
     def __init__(self):
         super().__init__()
@@ -364,6 +392,7 @@ SCENARIOS = {
         double_forward_nested,
         unused_forward_output,
         unused_forward_module,
+        unused_parameters,
         container_activations,
         tied_parameters,
         buffers,
