@@ -1,4 +1,5 @@
-"""In-place ``copy_`` into our ``RowShard`` parameters, from any full-tensor description.
+"""DTensor op handlers for our ``RowShard`` DTensors: in-place ``copy_`` into our parameters from any
+full-tensor description, and whole-tensor max / min / infinity norms over empty pieces.
 
 Why: initialising or loading a sharded parameter in place (``p.copy_(distribute_tensor(full,
 mesh, [Replicate()]))``, a model's own ``load_state_dict`` pre-hook that merges q/k/v and copies
@@ -26,6 +27,17 @@ optimizer step copies into a parameter is computed from our parameters.
 
 Anything else (other meshes, partial sums, tensor-parallel layouts) goes to DTensor's default
 handling. Every other destination is untouched: the handler hands the call back to DTensor.
+
+Whole-tensor reductions without an identity for an empty input -- ``max()``, ``min()``,
+``amax()``, ``amin()`` and infinity norms (``torch.linalg.vector_norm(g, inf)``,
+``torch._foreach_norm(grads, inf)``: what ``clip_grad_norm_(..., norm_type=inf)`` computes) -- run
+the local kernel on each rank's piece and combine across ranks. Our layout leaves a rank without
+rows of many parameters (a bias lives on one rank), and the local kernel refuses an empty tensor:
+``p.grad.abs().max()`` raised on the ranks without rows while the others waited in the combine,
+and torch's ``clip_grad_norm_`` with ``inf`` failed on every mfsdp2 model. An empty piece's
+contribution is the combine's identity (``-inf`` for a max, ``+inf`` for a min, 0 for an infinity
+norm), so such a piece is handed to DTensor as a one-element stand-in holding it, under the same
+spec; the result is the whole tensor's, as for FSDP2.
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ __all__ = ["install"]
 logger = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
-_previous = None  # a handler someone registered before us (chained, not replaced)
+_previous: dict = {}  # op -> a handler someone registered before us (chained, not replaced)
 
 
 def _row_shard_dim(placements) -> Optional[int]:
@@ -107,9 +119,57 @@ def _copy_handler(op_call, args, kwargs):
     return dst
 
 
+def _empty_row_piece(t) -> bool:
+    return (
+        isinstance(t, DTensor)
+        and t._local_tensor.numel() == 0
+        and any(isinstance(p, RowShard) for p in t.placements)
+        and not is_fake(t._local_tensor)
+    )
+
+
+def _stand_in(t: DTensor, value: float) -> DTensor:
+    """``t``'s spec over a one-element local piece holding ``value``."""
+    local = torch.full((1,) * t.dim(), value, dtype=t.dtype, device=t._local_tensor.device)
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _identity(op_call, args, kwargs, dtype) -> Optional[float]:
+    """What an empty piece contributes to the whole-tensor reduction ``op_call`` (None: not one we
+    complete, or one whose empty pieces already work)."""
+    if op_call in (_aten.linalg_vector_norm.default, _aten._foreach_norm.Scalar):
+        order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+        dim = None if op_call is _aten._foreach_norm.Scalar else (args[2] if len(args) > 2 else kwargs.get("dim"))
+        if dim is None and order in (float("inf"), float("-inf")):
+            return 0.0 if order > 0 else float("inf")
+        return None
+    if op_call in (_aten.amax.default, _aten.amin.default) and tuple(args[1] if len(args) > 1 else kwargs.get("dim", ())):
+        return None  # a reduction along given dims keeps every rank's (possibly empty) rows
+    lowest = op_call in (_aten.max.default, _aten.amax.default)
+    if dtype.is_floating_point:
+        return float("-inf") if lowest else float("inf")
+    info = torch.iinfo(dtype) if dtype != torch.bool else None
+    return None if info is None else (info.min if lowest else info.max)
+
+
+def _reduction_handler(op_call, args, kwargs):
+    foreach = op_call is _aten._foreach_norm.Scalar
+    first = args[0]
+    if not torch.compiler.is_compiling() and any(_empty_row_piece(t) for t in (first if foreach else [first])):
+        identity = _identity(op_call, args, kwargs, (first[0] if foreach else first).dtype)
+        if identity is not None:
+
+            def swap(t):
+                return _stand_in(t, identity) if _empty_row_piece(t) else t
+
+            args = ([swap(t) for t in first] if foreach else swap(first),) + tuple(args[1:])
+    return _default(op_call, args, kwargs)
+
+
 def _default(op_call, args, kwargs):
-    if _previous is not None:
-        return _previous(op_call, args, kwargs)
+    previous = _previous.get(op_call)
+    if previous is not None:
+        return previous(op_call, args, kwargs)
     handlers = DTensor._op_dispatcher._custom_op_handlers
     mine = handlers.pop(op_call)  # DTensor's own path, then ours again
     try:
@@ -118,16 +178,28 @@ def _default(op_call, args, kwargs):
         handlers[op_call] = mine
 
 
+_HANDLERS = {
+    _aten.copy_.default: _copy_handler,
+    _aten.linalg_vector_norm.default: _reduction_handler,
+    _aten._foreach_norm.Scalar: _reduction_handler,
+    _aten.max.default: _reduction_handler,
+    _aten.min.default: _reduction_handler,
+    _aten.amax.default: _reduction_handler,
+    _aten.amin.default: _reduction_handler,
+}
+
+
 def install() -> None:
-    """Register the ``copy_`` handler once per process (idempotent)."""
-    global _previous
+    """Register the handlers once per process (idempotent)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    current = handlers.get(_aten.copy_.default)
-    if current is _copy_handler:
-        return
-    _previous = current
-    handlers[_aten.copy_.default] = _copy_handler
-    logger.debug("mfsdp2: DTensor copy_ handler for RowShard destinations installed")
+    for op, handler in _HANDLERS.items():
+        current = handlers.get(op)
+        if current is handler:
+            continue
+        if current is not None:
+            _previous[op] = current
+        handlers[op] = handler
+    logger.debug("mfsdp2: DTensor copy_ / infinity-norm handlers for RowShard DTensors installed")
 
 
 install()

@@ -120,6 +120,15 @@ def _log_once(key: str, msg: str, *args) -> None:
         logger.info(msg, *args)
 
 
+class AlreadyShardedError(ValueError, AssertionError):
+    """``fully_shard`` applied again to a module: a ``ValueError`` (mfsdp2's type) and an
+    ``AssertionError`` (what FSDP2 raises for it), so either ``except`` catches it."""
+
+
+class InvalidShardDimError(ValueError, AssertionError):
+    """``shard_placement_fn`` named a dimension the parameter does not have (FSDP2: AssertionError)."""
+
+
 def _as_modules(module) -> list[nn.Module]:
     """``module`` or the list of modules that form one unit (FSDP2's ``fully_shard([a, b])``)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -129,8 +138,15 @@ def _as_modules(module) -> list[nn.Module]:
         if not isinstance(m, nn.Module):
             raise TypeError(f"mfsdp2: fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
         if isinstance(m, FSDPModule):
-            raise ValueError(
+            raise AlreadyShardedError(
                 f"mfsdp2: fully_shard was already applied to this {type(m).__name__}; apply it once per module"
+            )
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            # Nothing would ever call the unit's forward hooks: its parameters would stay sharded
+            # DTensors inside the children's forwards (as FSDP2, which refuses these too).
+            raise ValueError(
+                f"mfsdp2: fully_shard got a {type(m).__name__}, a container without a forward of its own; "
+                "apply it to each module in it, or to the parent module that calls them"
             )
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("mfsdp2: fully_shard got the same module twice in its list")
@@ -175,15 +191,16 @@ def _dp_mesh(mesh: DeviceMesh, dims, strategy: ShardingStrategy, where: str) -> 
 
 def _check_placements(shard_placement_fn: Callable, infos: list[list[ParamInfo]], params: list[nn.Parameter], where: str) -> None:
     """FSDP2's ``shard_placement_fn``: mfsdp2 shards every parameter on dim 0 over the unit's mesh
-    (the rows of its flat buffer), so only ``None`` and ``Shard(0)`` are possible answers."""
-    for info, p in zip(infos, params):
-        r = shard_placement_fn(p)
-        if r is None:
-            continue
-        if isinstance(r, Shard) and r.dim in (0, -p.dim()):
-            continue
-        raise ValueError(
-            f"mfsdp2: shard_placement_fn returned {r!r} for parameter {info[0].fqn!r} of {where}; mfsdp2 "
+    (the rows of its flat buffer), so only ``None`` and ``Shard(0)`` are possible answers. A
+    dimension the parameter does not have is reported first, with FSDP2's error type for it."""
+    answers = [(info[0].fqn, p, shard_placement_fn(p)) for info, p in zip(infos, params)]
+    refused = [(fqn, p, r) for fqn, p, r in answers if r is not None and not (isinstance(r, Shard) and r.dim in (0, -p.dim()))]
+    refused.sort(key=lambda a: isinstance(a[2], Shard) and -a[1].dim() <= a[2].dim < a[1].dim())  # invalid dims first
+    if refused:
+        fqn, p, r = refused[0]
+        invalid = isinstance(r, Shard) and not -p.dim() <= r.dim < p.dim()
+        raise (InvalidShardDimError if invalid else ValueError)(
+            f"mfsdp2: shard_placement_fn returned {r!r} for parameter {fqn!r} of {where}; mfsdp2 "
             "shards every parameter on dim 0 over the unit's mesh (row-aligned flat buffers), so return "
             "Shard(0) or None for it (per-parameter meshes and other dims are not supported)"
         )
@@ -233,7 +250,7 @@ def fully_shard(
     mesh: Optional[DeviceMesh] = None,
     reshard_after_forward: Union[bool, int, None] = None,
     shard_placement_fn: Optional[Callable] = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # or torch.distributed.fsdp's
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
     dp_mesh_dims=None,
@@ -269,6 +286,7 @@ def fully_shard(
             "'trace_pool' or a BucketAllocator instance"
         )
     where = type(modules[0]).__name__ if len(modules) == 1 else "[" + ", ".join(type(m).__name__ for m in modules) + "]"
+    mp_policy = MixedPrecisionPolicy.coerce(mp_policy, where)
     given = reshard_after_forward is not None
     if reshard_after_forward is None:  # FSDP2: True below the root, False for the root (set at lazy init)
         reshard_after_forward = True

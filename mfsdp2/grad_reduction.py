@@ -327,8 +327,20 @@ class GradientReduction:
             self._free_out(allocator, p)
         self.local_grad_flags = [a or b for a, b in zip(self.local_grad_flags, p.has_grad)]
         self.expose_grads(p.has_grad)
+        self.run_post_accumulate_grad_hooks(p.has_grad)
         self.grads_reduced_this_step = True
         return True
+
+    def run_post_accumulate_grad_hooks(self, flags) -> None:
+        """Call the ``register_post_accumulate_grad_hook`` hooks of the flagged parameters once
+        their reduced gradient is in ``.grad``, as FSDP2 does after each reduction: autograd never
+        accumulates into our DTensor parameters (we set ``.grad``), so it never calls them, and
+        optimizer-in-backward (a per-parameter optimizer stepped from the hook) silently never
+        stepped."""
+        for i, dp in enumerate(self.dist_params):
+            if flags[i]:
+                for hook in tuple((getattr(dp, "_post_accumulate_grad_hooks", None) or {}).values()):
+                    hook(dp)
 
     def _accumulate(self, allocator: BucketAllocator, out: torch.Tensor) -> None:
         """main_grad += out, restarting at zero the parameters whose grad the user cleared."""

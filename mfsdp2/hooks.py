@@ -214,8 +214,16 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     if grad and (not recompute or backward_recompute):
         state.forward_with_grad = True
         needing = {id(t): t for t in tensors_in((args, kwargs)) if t.requires_grad}
+        # A unit of several modules: the module that opens its forward pass decides, as in FSDP2
+        # (which threads that module's inputs only), and each module's inputs count, so the unit
+        # reduces and reshards once, when every one of them finished its backward (it reduced,
+        # resharded and gathered again once per module).
+        opens = len(state.modules) == 1 or backward_recompute or len(state.forward_to_run) == len(state.modules)
+        if opens or state.forward_pass is None:
+            state.forward_pass = _ForwardPass(opened=bool(needing))
         if needing:
-            outs = _PostBackward.apply(state, *needing.values())
+            state.forward_pass.pending += 1
+            outs = _PostBackward.apply(state, state.forward_pass, *needing.values())
             routed = dict(zip(needing, outs))
             args, kwargs = map_tensors(lambda t: routed.get(id(t), t), (args, kwargs))
     if state.mp.param_dtype is not None and state.mp.cast_forward_inputs:
@@ -384,18 +392,35 @@ def _pre_backward(state: FSDPState, need_weights: Optional[bool] = None) -> None
     event_log.record("backward_begin", state.name)
 
 
+class _ForwardPass:
+    """One grad-enabled forward pass of a unit: how many of its modules' ``_PostBackward`` are
+    still to run, and whether the module that opened the pass threaded its inputs (if not, its
+    backward is not observable: the final callback reduces the unit, as FSDP2's does)."""
+
+    __slots__ = ("pending", "opened")
+
+    def __init__(self, opened: bool):
+        self.pending = 0
+        self.opened = opened
+
+
 class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
+    """Identity on a unit's inputs whose backward runs once that module's backward is done; the
+    last one of a forward pass runs the unit's post-backward."""
 
     @staticmethod
-    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):
+    def forward(ctx, state: FSDPState, fwd_pass: _ForwardPass, *inputs: torch.Tensor):
         ctx.state = state
+        ctx.fwd_pass = fwd_pass
         return inputs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        post_backward(ctx.state)
-        return (None,) + grads
+        fp = ctx.fwd_pass
+        fp.pending -= 1
+        if fp.pending == 0 and fp.opened:
+            post_backward(ctx.state)
+        return (None, None) + grads
 
 
 def post_backward(state: FSDPState) -> None:
@@ -472,7 +497,13 @@ def _sync_grad_presence(ctx: RootContext) -> None:
         k = 0
         for g in groups:
             n = len(g.local_grad_flags)
-            g.expose_grads(flat[k : k + n])
+            # Only the parameters used on other ranks alone: those with a local gradient were
+            # exposed (and hooked) at their reduction, and a post-accumulate-grad hook may have
+            # cleared them since (optimizer-in-backward's zero_grad) -- exposing them again undid
+            # that, and the next step accumulated onto a gradient already stepped.
+            others = [a and not b for a, b in zip(flat[k : k + n], g.local_grad_flags)]
+            g.expose_grads(others)
+            g.run_post_accumulate_grad_hooks(others)
             k += n
     for g in groups:
         g.local_grad_flags = [False] * len(g.local_grad_flags)

@@ -65,6 +65,22 @@ class MixedPrecisionPolicy:
         if self.all_gather_dtype is not None and self.param_dtype in fp8:
             raise ValueError("mfsdp2: param_dtype is the compute dtype; float8 goes in all_gather_dtype")
 
+    @classmethod
+    def coerce(cls, policy, where: str = "fully_shard") -> "MixedPrecisionPolicy":
+        """``policy`` as an mfsdp2 policy. torch's ``torch.distributed.fsdp.MixedPrecisionPolicy``
+        (what a script written for FSDP2 imports next to ``fully_shard``) carries the four FSDP2
+        fields; it becomes ours with those fields and our defaults for the rest, instead of
+        failing later on a field it lacks."""
+        if isinstance(policy, cls):
+            return policy
+        fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+        if not all(hasattr(policy, f) for f in fields):
+            raise TypeError(
+                f"mfsdp2: mp_policy of {where} must be a MixedPrecisionPolicy (mfsdp2's or "
+                f"torch.distributed.fsdp's), got {type(policy).__name__}"
+            )
+        return cls(**{f: getattr(policy, f) for f in fields})
+
     def compute_dtype(self, orig: torch.dtype) -> torch.dtype:
         return self.param_dtype if self.param_dtype is not None and orig.is_floating_point else orig
 

@@ -55,6 +55,16 @@ class FSDPModule:
 
     _mfsdp2_state: FSDPState
 
+    def __new__(cls, *args, **kwargs):
+        # A new object of a swapped ``FSDP<Cls>`` class is never a unit: ``fully_shard`` swaps the
+        # class of an existing module. Containers build new ones of their own class
+        # (``nn.Sequential.__getitem__`` makes a slice with ``self.__class__(...)``); such a slice
+        # was an ``FSDPSequential`` without unit state. It is a plain ``Cls``, as in FSDP2.
+        orig = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        obj = object.__new__(orig) if orig.__new__ is object.__new__ else orig.__new__(orig, *args, **kwargs)
+        obj.__init__(*args, **kwargs)  # not an instance of ``cls``: Python would not call it
+        return obj
+
     def __deepcopy__(self, memo):
         # A copy would share nothing sound: its parameters are views of this unit's flat buffers,
         # its hooks and root context point at this model, and the gathered storage may be freed
@@ -166,10 +176,11 @@ class FSDPModule:
         run = hook
         if stream is not None:
             def run(t: torch.Tensor) -> None:
-                stream.wait_stream(torch.cuda.current_stream(t.device))
-                with torch.cuda.stream(stream):
+                dev = torch.get_device_module(t.device)  # torch.cuda, or torch.cpu's no-op streams
+                stream.wait_stream(dev.current_stream(t.device))
+                with dev.stream(stream):
                     hook(t)
-                torch.cuda.current_stream(t.device).wait_stream(stream)
+                dev.current_stream(t.device).wait_stream(stream)
         for g in self._mfsdp2_state.groups:
             g.all_reduce_hook = run
 
@@ -381,9 +392,14 @@ _EAGER_PRE_FORWARD = torch._dynamo.disable(pre_forward, recursive=True)
 _EAGER_POST_FORWARD = torch._dynamo.disable(post_forward, recursive=True)
 
 
+class NotAnFSDPModuleError(TypeError, ValueError):
+    """A module that ``fully_shard`` did not wrap, passed where a unit is needed. A ``TypeError``
+    (mfsdp2's type) and a ``ValueError`` (what FSDP2 raises for it), so either ``except`` catches it."""
+
+
 def _state_of(m) -> FSDPState:
     if not isinstance(m, FSDPModule):
-        raise TypeError(f"{type(m).__name__} is not an FSDP module: call fully_shard on it first")
+        raise NotAnFSDPModuleError(f"{type(m).__name__} is not an FSDP module: call fully_shard on it first")
     return m._mfsdp2_state
 
 

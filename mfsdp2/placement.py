@@ -21,10 +21,9 @@ a ``RowShard`` DTensor are relabelled ``RowShard`` (:mod:`mfsdp2.row_propagation
 ``p.clone()``, ``p.to(torch.bfloat16)``, ``p.view(...)`` and optimizer states all keep the true row
 counts, and a same-shape FSDP2 / ``distribute_tensor`` DTensor in the same process is unaffected.
 
-Known limit: ``p.redistribute(mesh, [Shard(0)])`` keeps our rows (``RowShard`` equals ``Shard(0)``
-placement-wise, so there is nothing to move) but DTensor labels the result with the plain
-``Shard(0)`` it was asked for; ``full_tensor()`` / ``redistribute(Replicate())`` on the
-parameter itself is the way to get a ``torch.chunk``-free full value.
+``redistribute`` to a plain ``Shard(0)`` (or from one to a ``RowShard``) moves the rows the two
+splits place differently, through ``Replicate`` (:mod:`mfsdp2.row_propagation`): the result holds
+``torch.chunk``'s rows and says ``Shard(0)``.
 """
 
 from __future__ import annotations

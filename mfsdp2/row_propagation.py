@@ -33,6 +33,13 @@ user init code does) split by ``torch.chunk`` whatever the placement said, and l
 plain ``Shard(0)``: the optimizer then held states of other sizes than its parameters' shards.
 It now gives each rank the rows its ``RowShard`` names (the data still comes from
 ``src_data_rank``, as torch's does).
+
+``redistribute`` decides what to move by comparing placements, and ``RowShard`` equals
+``Shard(0)``: ``p.redistribute(mesh, [Shard(0)])`` moved nothing and returned our rows where the
+caller asked for ``torch.chunk``'s (and a chunk-split DTensor redistributed to our ``RowShard``
+kept the chunk rows). Where the two splits differ, the mesh dimension now goes through
+``Replicate`` (one gather) and then to the requested split, so the result holds the rows its
+placement names; where they coincide nothing moves.
 """
 
 from __future__ import annotations
@@ -227,11 +234,60 @@ def _install_distribute_tensor() -> None:
             setattr(mod, "distribute_tensor", wrapped)
 
 
+def _split(pl, n: int, k: int) -> Optional[tuple[int, ...]]:
+    """The rows per rank a dim-0 placement means for ``n`` rows over ``k`` ranks (None: not one)."""
+    if isinstance(pl, RowShard):
+        return tuple(pl.rows)
+    if isinstance(pl, Shard) and pl.dim == 0:
+        return chunk_rows(n, k)
+    return None
+
+
+def _rows_move(cur, tgt, k: int) -> bool:
+    """Whether going from placement ``cur`` to ``tgt`` on one mesh dimension (``k`` ranks) moves
+    dim-0 rows between ranks although DTensor sees two equal ``Shard(0)`` and would move none."""
+    if not (isinstance(cur, RowShard) or isinstance(tgt, RowShard)):
+        return False
+    if not (isinstance(cur, Shard) and isinstance(tgt, Shard)) or cur.dim != 0 or tgt.dim != 0:
+        return False
+    n = sum(cur.rows) if isinstance(cur, RowShard) else sum(tgt.rows)
+    return _split(cur, n, k) != _split(tgt, n, k)
+
+
+def _wrap_redistribute(plain_redistribute):
+    def redistribute(self, device_mesh=None, placements=None, **kwargs):
+        # DTensor compares placements to decide what to move, and RowShard equals Shard(0): asked
+        # for a torch.chunk Shard(0), it kept our rows (or, from a chunk split to our RowShard,
+        # the chunk rows) -- a DTensor whose rows are not the split the caller asked for. Those
+        # mesh dimensions go through Replicate first (a gather), then to the requested split.
+        if placements is not None and (device_mesh is None or device_mesh == self.device_mesh):
+            mesh = self.device_mesh
+            cur, tgt = tuple(self.placements), tuple(placements)
+            if len(cur) == len(tgt):
+                move = {d for d, (c, t) in enumerate(zip(cur, tgt)) if _rows_move(c, t, mesh.size(d))}
+                if move:
+                    mid = [Replicate() if d in move else c for d, c in enumerate(cur)]
+                    via = plain_redistribute(self, mesh, mid, **kwargs)
+                    return plain_redistribute(via, mesh, tgt, **kwargs)
+        return plain_redistribute(self, device_mesh, placements, **kwargs)
+
+    redistribute.__doc__ = plain_redistribute.__doc__
+    redistribute._mfsdp2_plain = plain_redistribute
+    return redistribute
+
+
+def _install_redistribute() -> None:
+    plain = DTensor.redistribute
+    if getattr(plain, "_mfsdp2_plain", None) is None:
+        DTensor.redistribute = _wrap_redistribute(plain)
+
+
 def install() -> None:
-    """Wrap DTensor's sharding propagator, spec equality and ``distribute_tensor`` once per
-    process (idempotent)."""
+    """Wrap DTensor's sharding propagator, spec equality, ``redistribute`` and
+    ``distribute_tensor`` once per process (idempotent)."""
     _install_spec_eq()
     _install_distribute_tensor()
+    _install_redistribute()
     prop = DTensor._op_dispatcher.sharding_propagator
     if getattr(prop, "_mfsdp2_row_propagation", False):
         return

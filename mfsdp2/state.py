@@ -87,6 +87,7 @@ class FSDPState:
         # gathered once for all of them and reshards after the last one's forward of the pass.
         self.modules: list[nn.Module] = [module]
         self.forward_to_run: set[int] = set()  # ids of the modules whose forward is still to come
+        self.forward_pass = None  # hooks._ForwardPass of the latest grad-enabled forward pass
         self.unshard_in_backward = True  # False: backward needs none of the weights (set_unshard_in_backward)
         # Reductions left in flight after issuing this unit's (set_reduce_scatter_max_input_buffers).
         self.max_reduce_in_flight = 1

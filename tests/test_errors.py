@@ -17,6 +17,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mfsdp2 import CollectiveError, MixedPrecisionPolicy
+from mfsdp2.fully_shard import AlreadyShardedError, InvalidShardDimError
+from mfsdp2.module import NotAnFSDPModuleError
 
 from ._dist import run_ranks
 from .models import Net, batch, build, loss_fn
@@ -25,7 +27,7 @@ DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "errors.md")
 
 # row id -> (exception type, fragment of the message)
 EXPECTED = {
-    "E01": (ValueError, "fully_shard was already applied"),
+    "E01": (AlreadyShardedError, "fully_shard was already applied"),
     "E02": (ValueError, "is already a DTensor"),
     "E03": (ValueError, "0-dimensional"),
     "E04": (RuntimeError, "call mfsdp2.materialize(model)"),
@@ -35,7 +37,7 @@ EXPECTED = {
     "E08": (ValueError, "unknown allocator"),
     "E09": (ValueError, "which is not the root"),
     "E10": (ValueError, "prefetch depth must be >= 0"),
-    "E11": (TypeError, "is not an FSDP module"),
+    "E11": (NotAnFSDPModuleError, "is not an FSDP module"),
     "E12": (RuntimeError, "needs torch.distributed initialised"),
     "E13": (RuntimeError, "becomes its root"),
     "E14": (RuntimeError, "was replaced (or deleted) after fully_shard"),
@@ -69,6 +71,9 @@ EXPECTED = {
     "E42": (ValueError, "torch optimizers need each gradient in its parameter's dtype"),
     "E43": (ValueError, "helpers handle row-sharded 1-D layouts"),
     "E44": (ValueError, "is a UninitializedParameter, a tensor subclass"),
+    "E45": (ValueError, "a container without a forward of its own"),
+    "E46": (ValueError, "shards every parameter on dim 0"),
+    "E47": (InvalidShardDimError, "shards every parameter on dim 0"),
 }
 
 
@@ -160,6 +165,11 @@ def _rows_ws1(rank, ws):
     from mfsdp2 import state_dict as msd
 
     _capture(out, "E44", lambda: fully_shard(nn.LazyLinear(3), mesh=mesh))
+    _capture(out, "E45", lambda: fully_shard(nn.ModuleList([nn.Linear(3, 3)]), mesh=mesh))
+    from torch.distributed.tensor import Shard
+
+    _capture(out, "E46", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1)))
+    _capture(out, "E47", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=lambda p: Shard(1)))
     replicated = fully_shard(nn.Linear(3, 3), mesh=mesh, sharding_strategy="no_shard")
     _capture(out, "E43", lambda: msd.get_model_state_dict(replicated, options=msd.StateDictOptions(full_state_dict=True)))
     divided = fully_shard(nn.Linear(3, 3), mesh=mesh)

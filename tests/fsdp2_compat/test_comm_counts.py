@@ -1,8 +1,9 @@
 """Collective counts per training step equal torch FSDP2's (the contract its comm-count tests
 check): all-gathers and reduce-scatters for the default schedule, with the root resharded too
 (``reshard_after_forward=True`` passed to it), without reshard after forward,
-with gradient accumulation (sync on the last micro-batch only) and with the tuned accumulation
-(no reshard after backward between micro-batches). FSDP2's are counted at the
+with gradient accumulation (sync on the last micro-batch only), with the tuned accumulation
+(no reshard after backward between micro-batches), and with a grouped unit ``fully_shard([a, b])``
+(gathered and reduced once per pass, not once per module). FSDP2's are counted at the
 ``torch.distributed`` functions it calls, in the same process; ours with
 :data:`mfsdp2.comm.comm_stats` (on gloo our reduce-scatter is point-to-point sends, which a count
 at ``torch.distributed`` would not see as one collective).
@@ -26,7 +27,7 @@ from .._dist import run_ranks
 from ..models import F64, batch, build, loss_fn, make_opt
 
 WS, GB = 2, 8
-SCHEDULES = ["default", "root_resharded", "no_reshard_after_forward", "accumulate", "accumulate_tuned"]
+SCHEDULES = ["default", "root_resharded", "no_reshard_after_forward", "accumulate", "accumulate_tuned", "grouped"]
 
 
 def _step(model, opt, rank, ws, schedule, step):
@@ -78,8 +79,12 @@ def _counts(rank, ws, schedule):
         # default: FSDP2's None (True below the root, False for it); root_resharded: True given
         # to the root too (one more all-gather, in backward)
         raf = {"no_reshard_after_forward": False, "root_resharded": True}.get(schedule)
-        for b in model.blocks:
-            shard(b, mesh=mesh, reshard_after_forward=raf)
+        if schedule == "grouped":  # fully_shard([a, b]): one unit, gathered and reduced once per pass
+            shard(model.blocks[0], mesh=mesh)
+            shard([model.blocks[1], model.blocks[2]], mesh=mesh)
+        else:
+            for b in model.blocks:
+                shard(b, mesh=mesh, reshard_after_forward=raf)
         shard(model, mesh=mesh, reshard_after_forward=raf)
         opt = make_opt("adamw", model.parameters())
         _step(model, opt, rank, ws, schedule, 0)  # warm-up (lazy init)

@@ -1,7 +1,7 @@
 """torch's own distributed state-dict API (``torch.distributed.checkpoint.state_dict``) on an
 mfsdp2 model gives what it gives on the same model sharded by torch FSDP2, for every
 ``StateDictOptions`` combination a user passes: ``full_state_dict``, ``cpu_offload``,
-``broadcast_from_rank0``, ``strict``.
+``broadcast_from_rank0``, ``strict``; on 1-D meshes and on HSDP's (replicate, shard) mesh.
 
 Both models train side by side in one process (float64, the same data), so every value compares
 exactly up to float64 reduction-order rounding (``REL_F64``); FSDP2 is the reference for what
@@ -59,8 +59,15 @@ def _describe(tree):
     return out
 
 
-def _get(rank, ws, kind):
-    mesh = init_device_mesh("cpu", (ws,))
+def _mesh(ws, hsdp):
+    """1-D over every rank, or HSDP's (replicate=2, shard=ws/2)."""
+    if hsdp:
+        return init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (ws,))
+
+
+def _get(rank, ws, kind, hsdp=False):
+    mesh = _mesh(ws, hsdp)
     models = sharded_pair(mesh, kind)
     opts = {k: make_opt("adamw", m.parameters()) for k, m in models.items()}
     for step in range(STEPS):
@@ -91,8 +98,11 @@ def _assert_same(ours, theirs, what):
             assert ovalue == value, (what, key, ovalue, value)
 
 
-# "tiny" at world size 4: some ranks hold no rows of some parameters (empty local shards).
-CASES = pytest.mark.parametrize("kind,ws", [("net", 2), ("tiny", 4)], ids=["net-ws2", "tiny-ws4"])
+# "tiny" at world size 4: some ranks hold no rows of some parameters (empty local shards); "hsdp":
+# a (replicate=2, shard=2) mesh, DTensors with (Replicate, Shard) placements on both runtimes.
+CASES = pytest.mark.parametrize(
+    "kind,ws,hsdp", [("net", 2, False), ("tiny", 4, False), ("net", 4, True)], ids=["net-ws2", "tiny-ws4", "hsdp-2x2"]
+)
 
 
 def _trained_reference(kind):
@@ -105,9 +115,9 @@ def _trained_reference(kind):
 
 
 @CASES
-def test_get_state_dicts_match_fsdp2_for_every_option(kind, ws):
+def test_get_state_dicts_match_fsdp2_for_every_option(kind, ws, hsdp):
     ref, _ = _trained_reference(kind)
-    results = run_ranks(_get, ws, kind)
+    results = run_ranks(_get, ws, kind, hsdp)
     for rank, got in enumerate(results):
         for i, o in enumerate(GET_OPTIONS):
             for part in (0, 1):
@@ -120,10 +130,10 @@ def test_get_state_dicts_match_fsdp2_for_every_option(kind, ws):
                 assert_close_rel(model_sd[(k,)][1], p.detach(), f"{o} {k}", REL_F64)
 
 
-def _set(rank, ws, kind, full_model_sd, full_optim_sd):
+def _set(rank, ws, kind, full_model_sd, full_optim_sd, hsdp=False):
     """Load a full checkpoint (the unsharded model's, after STEPS steps) into fresh sharded models
     through every option, then train one more step: both must continue identically."""
-    mesh = init_device_mesh("cpu", (ws,))
+    mesh = _mesh(ws, hsdp)
     out = {}
     for i, o in enumerate(SET_OPTIONS):
         models = sharded_pair(mesh, kind)
@@ -170,14 +180,14 @@ def _fill_sharded(sharded, full):
 
 
 @CASES
-def test_set_state_dicts_match_fsdp2_for_every_option(kind, ws):
+def test_set_state_dicts_match_fsdp2_for_every_option(kind, ws, hsdp):
     ref, ref_opt = _trained_reference(kind)
     names = {id(p): n for n, p in ref.named_parameters()}
     full_model_sd = {n: p.detach().clone() for n, p in ref.named_parameters()}
     full_optim_sd = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in ref_opt.state.items()}
     ref_loss = reference_step(ref, ref_opt, STEPS, GB, F64)
     ref_after = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    for out in run_ranks(_set, ws, kind, full_model_sd, full_optim_sd):
+    for out in run_ranks(_set, ws, kind, full_model_sd, full_optim_sd, hsdp):
         for i, o in enumerate(SET_OPTIONS):
             for k in ("fsdp2", "mfsdp2"):
                 loss, params = out[k, i]
