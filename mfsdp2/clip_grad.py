@@ -162,8 +162,9 @@ def clip_grad_norm_(
         device = total.device
         # ZeRO-1/2/3 expose this rank's rows: sum over the shard group (HSDP replicas hold the
         # same rows, so not over them). no_shard exposes the whole gradient on every rank.
+        # Offloaded main grads (host memory) are summed over the gloo twin (``main_comm``).
         replicated = g.comm.world_size == 1 or _is_no_shard(g)
-        per_comm.setdefault(None if replicated else g.comm.group, []).append(total)
+        per_comm.setdefault(None if replicated else g.main_comm.group, []).append(total)
     totals = []
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     for group, parts in per_comm.items():
@@ -199,10 +200,11 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for g, items in flat.items():
+            c = coef.to(device=g.main_grad.device, dtype=g.main_grad.dtype)  # offloaded: host memory
             if len(items) == len(g.dist_params):
-                g.main_grad.mul_(coef.to(g.main_grad.dtype))
+                g.main_grad.mul_(c)
             else:
-                torch._foreach_mul_([p.grad._local_tensor for _, p in items], coef.to(g.main_grad.dtype))
+                torch._foreach_mul_([p.grad._local_tensor for _, p in items], c)
         if other:
             torch.nn.utils.clip_grads_with_norm_([p for p in other], max_norm, total.to(other[0].grad.device)
                                                  if not isinstance(other[0].grad, DTensor) else total)
@@ -256,7 +258,7 @@ def _reduce_each(each, flat, name_of, norm_type: float, op) -> None:
     by_group: dict[object, list[str]] = {}
     for g, items in flat.items():
         if g.comm.world_size > 1 and not _is_no_shard(g):
-            by_group.setdefault(g.comm.group, []).extend(name_of[id(p)] for _, p in items)
+            by_group.setdefault(g.main_comm.group, []).extend(name_of[id(p)] for _, p in items)
     for group, names in by_group.items():
         t = torch.stack([each[n] for n in names])
         dist.all_reduce(t, op=op, group=group)

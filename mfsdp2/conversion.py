@@ -23,8 +23,8 @@ group adopts the results:
   parameter object gets the new group's contents through ``swap_tensors`` so its identity (held by
   an optimizer, by user code) is kept; converted gradients move into the new main gradient.
 
-The DTensor parameter objects registered on the modules are never replaced. A different device
-than the mesh's is refused: the shards live where the mesh computes.
+The DTensor parameter objects registered on the modules are never replaced. A device other than
+the mesh's (or, under ``CPUOffloadPolicy``, the CPU where the main shards live) is refused.
 """
 
 from __future__ import annotations
@@ -101,11 +101,14 @@ def _adopt(state, g, values: list[torch.Tensor], grads: list) -> "object":
     dtype, device = dtypes.pop(), devices.pop()
     if device.type == "meta":
         raise ValueError(f"mfsdp2: cannot move the shards of {g.name} to the meta device after fully_shard")
-    if device != g.device and not (device.type == g.device.type == "cpu"):
+    # The values are copied into the main shards wherever they live: the mesh's device, or the
+    # CPU under CPUOffloadPolicy, which also accepts the mesh's device (FSDP2's pinned offload
+    # moves such parameters back to the CPU too).
+    if not any(device == d or device.type == d.type == "cpu" for d in (g.device, g.main.device)):
         raise ValueError(
-            f"mfsdp2: unit {state.name!r} keeps its shards on the mesh's device {g.device}; converting it to "
-            f"{device} after fully_shard is not supported: move the module (or build it) on {g.device} "
-            "before fully_shard, or use model.to_empty(device=<the mesh's device>)"
+            f"mfsdp2: unit {state.name!r} keeps its shards on {g.main.device} (computes on {g.device}); "
+            f"converting it to {device} after fully_shard is not supported: move the module (or build it) "
+            f"on {g.device} before fully_shard, or use model.to_empty(device=<the mesh's device>)"
         )
     if dtype == g.orig_dtype:
         target = g
@@ -156,13 +159,15 @@ def _rebuilt(state, g, dtype: torch.dtype):
 
 def _move_grads(old, new, grads: list) -> None:
     """Converted gradients go into ``new``'s main gradient; ``old``'s is given back."""
-    alloc = old._main_grad_alloc
-    if old.main_grad is not None:
+    alloc = old._main_grad_alloc  # None for an offloaded group's host main grad
+    had = old.main_grad is not None
+    if had:
         old.main_grad = None
         old.main_grad_full = None
-        alloc.free(old._main_grad_key())
-        old._main_grad_alloc = None
-    if alloc is None or all(gr is None for gr in grads):
+        if alloc is not None:
+            alloc.free(old._main_grad_key())
+            old._main_grad_alloc = None
+    if not had or all(gr is None for gr in grads):
         return
     new._ensure_main_grad(alloc, zero=True)
     for i, (dp, gr) in enumerate(zip(new.dist_params, grads)):

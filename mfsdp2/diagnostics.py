@@ -70,6 +70,7 @@ def describe(model: nn.Module) -> str:
         grad = grad_elems * torch.empty((), dtype=g.grad_dtype).element_size() if g.requires_grad else 0
         gathered = 0 if g.persistent else g.weights.nbytes
         strategy = g.strategy.value + ("+fp8" if g.fp8 is not None else "") + (" hsdp" if g.replicate_comm is not None and g.config.shard_dim is not None else "")
+        strategy += " cpu-offload" if g.main.offloaded else ""  # main weight / main grad in host memory
         dt = str(g.compute_dtype).replace("torch.", "")
         if g.compute_dtype != g.orig_dtype:
             dt = f"{str(g.orig_dtype).replace('torch.', '')}->{dt}"

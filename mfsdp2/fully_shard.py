@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.fsdp import OffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .allocator import BucketAllocator
 from .comm import Communicator
 from .mixed_precision import MixedPrecisionPolicy
 from .module import _EAGER_POST_FORWARD, _EAGER_PRE_FORWARD, FSDPModule
+from .offload import MainMemory, main_memory_for
 from .param_group import GroupConfig, ParameterGroup, ParamInfo
 from .shared_params import adopt_shared, mark_owned
 from .state import FSDPState
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 _communicators: dict = {}
 _class_cache: dict[type, type] = {}
-_logged: set = set()
 
 
 def _default_mesh() -> DeviceMesh:
@@ -60,11 +60,12 @@ def _communicator(mesh: DeviceMesh, dim: Optional[int]) -> Communicator:
 
 
 def _collect(
-    modules: list[nn.Module], device: torch.device, mesh: DeviceMesh, ignored: set[int]
+    modules: list[nn.Module], device: torch.device, mesh: DeviceMesh, ignored: set[int], main: Optional[MainMemory] = None
 ) -> tuple[list[list[ParamInfo]], list[nn.Parameter], dict[int, TPSpec]]:
     """This unit's own parameters (skipping nested units and ``ignored``, ids of the
     ``ignored_params``), deduplicated, in registration order, and the tensor-parallel spec of
-    those that are TP DTensors (keyed by id)."""
+    those that are TP DTensors (keyed by id). Parameters must be on the mesh's device, or on the
+    main device under CPU offload (``main``): a model kept on the CPU is sharded from there."""
     module = modules[0]
     infos: dict[int, list[ParamInfo]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -87,7 +88,9 @@ def _collect(
                 )
             if p.device.type == "meta":  # sharded now, values later: mfsdp2.materialize(model)
                 pass
-            elif p.device != device and not (p.device.type == device.type == "cpu"):
+            elif p.device != device and not (p.device.type == device.type == "cpu") and not (
+                main is not None and p.device.type == main.device.type
+            ):
                 raise ValueError(
                     f"mfsdp2: parameter {fqn!r} is on {p.device} but the mesh computes on {device}; "
                     f"move the module with module.to({str(device)!r}) first"
@@ -105,6 +108,23 @@ def _collect(
     return [infos[k] for k in keys], [params[k] for k in keys], specs
 
 
+def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
+    """Under CPU offload a unit's modules may stay on the CPU (only their shards are kept, in
+    host memory); their buffers move to the compute device, as FSDP2 moves every unit's buffers
+    (``_move_states_to_device``). Nested units' buffers are theirs to move."""
+    def own(m: nn.Module):
+        yield m
+        for child in m.children():
+            if not isinstance(child, FSDPModule):
+                yield from own(child)
+
+    for m in modules:
+        for sub in own(m):
+            for name, b in sub._buffers.items():
+                if b is not None and not b.is_meta and b.device != device:
+                    sub._buffers[name] = b.to(device)
+
+
 def _tp_local(p: nn.Parameter) -> nn.Parameter:
     """A TP DTensor parameter's local tensor as the parameter the data-parallel layer shards."""
     local = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
@@ -112,12 +132,6 @@ def _tp_local(p: nn.Parameter) -> nn.Parameter:
         if not k.startswith("_"):
             setattr(local, k, v)
     return local
-
-
-def _log_once(key: str, msg: str, *args) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        logger.info(msg, *args)
 
 
 class AlreadyShardedError(ValueError, AssertionError):
@@ -206,23 +220,6 @@ def _check_placements(shard_placement_fn: Callable, infos: list[list[ParamInfo]]
         )
 
 
-def _check_offload(offload_policy, device_type: str, where: str) -> None:
-    if offload_policy is None or type(offload_policy) is OffloadPolicy:
-        return
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        if device_type == "cpu":
-            _log_once(
-                "offload", "mfsdp2: CPUOffloadPolicy on a CPU mesh: shards, gradients and optimizer states "
-                "already live in CPU memory (pin_memory has no effect)",
-            )
-            return
-        raise ValueError(
-            f"mfsdp2: CPUOffloadPolicy for {where} on a {device_type} mesh: parameter/gradient offload to "
-            "CPU is not supported yet; drop offload_policy (shards stay on the device) or train on a CPU mesh"
-        )
-    raise TypeError(f"mfsdp2: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
-
-
 def _plain_spmd_params(modules: list[nn.Module], spmd_mesh: DeviceMesh, where: str) -> None:
     """With ``dp_mesh_dims``, FSDP2 takes DTensors replicated over the (data-parallel) SPMD mesh:
     their local tensors are the full parameters, which is what mfsdp2 shards."""
@@ -271,8 +268,9 @@ def fully_shard(
     ``dp_mesh_dims`` the whole SPMD mesh, of which those dims are used. Parameters that are already
     tensor-parallel DTensors are sharded over ``mesh`` and keep their TP placement.
     ``shard_placement_fn`` may return ``None`` or ``Shard(0)`` (mfsdp2 shards dim 0 only).
-    ``offload_policy``: ``OffloadPolicy()``; ``CPUOffloadPolicy`` only on a CPU mesh, where
-    everything lives in CPU memory anyway. ``ignored_params`` stay plain: not sharded, not moved,
+    ``offload_policy``: ``OffloadPolicy()``, or ``CPUOffloadPolicy(pin_memory=...)``: main
+    weights, gradients and optimizer states in (pinned) host memory, the optimizer step on the
+    CPU, compute on the mesh's device (:mod:`mfsdp2.offload`; on a CPU mesh the same code path). ``ignored_params`` stay plain: not sharded, not moved,
     their gradients never reduced (each rank keeps its own), as in FSDP2.
     mfsdp2's own: ``allocator`` is read from the root only (``"caching"`` default, ``"dynamic"``,
     ``"trace_pool"`` or a :class:`~mfsdp2.allocator.BucketAllocator`); ``sharding_strategy``:
@@ -296,11 +294,17 @@ def fully_shard(
         spmd = mesh
         mesh, strategy = _dp_mesh(mesh, dp_mesh_dims, strategy, where)
         _plain_spmd_params(modules, spmd, where)
-    _check_offload(offload_policy, mesh.device_type, where)
     topology = Topology.of(mesh.ndim, strategy, where)
     if mesh.get_coordinate() is None:
         raise ValueError("mfsdp2: this rank is not part of the given mesh")
     comm = _communicator(mesh, topology.shard_dim)
+    main = main_memory_for(offload_policy, comm.device, where)
+    if main is not None and mp_policy.all_gather_dtype is not None:
+        raise ValueError(
+            f"mfsdp2: all_gather_dtype (FP8 all-gather) with CPUOffloadPolicy for {where} is not supported: "
+            "the FP8 scales are agreed and applied on the compute device, the offloaded main weights live "
+            "in host memory; drop one of the two (offload_policy, or MixedPrecisionPolicy.all_gather_dtype)"
+        )
     replicate = _communicator(mesh, topology.replicate_dim) if topology.replicate_dim is not None else None
     if mp_policy.all_gather_dtype is not None and not strategy.shards_params:
         raise ValueError(
@@ -328,7 +332,9 @@ def fully_shard(
             post_forward_comm = comm.subgroup(k)  # collective: all ranks create the groups together
     name = where  # renamed to its path under the root at the first forward
     ignored = {id(p) for p in ignored_params} if ignored_params else set()
-    infos, params, specs = _collect(modules, comm.device, mesh, ignored)
+    infos, params, specs = _collect(modules, comm.device, mesh, ignored, main)
+    if main is not None:
+        _move_buffers(modules, comm.device)
     if shard_placement_fn is not None:
         _check_placements(shard_placement_fn, infos, params, where)
     # Tied to a parameter a wrapped child sharded: take it over (for a list, the child must be
@@ -359,7 +365,7 @@ def fully_shard(
             name, [infos[i] for i in idx],
             [_tp_local(params[i]) if id(params[i]) in specs else params[i] for i in idx],
             mesh, comm, comm.device, mp_policy,
-            GroupConfig(strategy, topology.shard_dim, replicate, key[2]),
+            GroupConfig(strategy, topology.shard_dim, replicate, key[2], main),
             tp_specs=[specs.get(id(params[i])) for i in idx],
         )
         for key, idx in by_key.items()

@@ -158,9 +158,11 @@ class GradientReduction:
         prescale, op, replicate_op = self._reduce_ops()
         all_reduce = self.replicate_comm is not None and self.requires_all_reduce
         # Nothing accumulated is visible (every grad None: first reduction since zero_grad), the
-        # dtypes match and no HSDP partial sum waits: reduce straight into main_grad, no copy.
+        # dtypes match, no HSDP partial sum waits and the main grad is compute memory (not CPU
+        # offloaded): reduce straight into main_grad, no copy.
         direct = (
-            self.reduce_dtype == self.grad_dtype
+            not self.main.offloaded
+            and self.reduce_dtype == self.grad_dtype
             and all(dp.grad is None for dp in self.dist_params)
             and (self.replicate_comm is None or (all_reduce and self.partial is None))
         )
@@ -197,9 +199,17 @@ class GradientReduction:
         sharded grads, it takes no memory through forward."""
         if self.main_grad is not None:
             return
-        self._main_grad_alloc = allocator
         n = self.layout.total_numel if self.full_grads else self.layout.shard_numel
-        block = allocator.allocate(self._main_grad_key(), n, self.grad_dtype, self.device)
+        if self.main.offloaded:
+            # Host memory, owned by the group and reused: not the compute device's allocator
+            # (whose blocks and plans are device memory), and page-locked memory is costly to
+            # allocate every step. Released like the allocator's block, then reused.
+            if self._main_grad_host is None:
+                self._main_grad_host = self.main.empty(n, self.grad_dtype)
+            block = self._main_grad_host
+        else:
+            self._main_grad_alloc = allocator
+            block = allocator.allocate(self._main_grad_key(), n, self.grad_dtype, self.device)
         if zero:
             block.zero_()
         if self.full_grads:
@@ -219,8 +229,9 @@ class GradientReduction:
             return  # grads kept (zero_grad(set_to_none=False) or accumulation across steps)
         self.main_grad = None
         self.main_grad_full = None
-        self._main_grad_alloc.free(self._main_grad_key())
-        self._main_grad_alloc = None
+        if self._main_grad_alloc is not None:  # None: the offloaded host block, kept for reuse
+            self._main_grad_alloc.free(self._main_grad_key())
+            self._main_grad_alloc = None
 
     def _partial_key(self) -> tuple:
         return ("partial", self.unit_name, self.name)
@@ -348,8 +359,10 @@ class GradientReduction:
         dst = self.main_grad_full if self.full_grads else self.main_grad
         view = self.weights.param_view if self.full_grads else self.weights.piece_view
         overwrite = [dp.grad is None for dp in self.dist_params]
+        if self.main.offloaded:
+            self.copy_outs += 1  # the compute device's result into host memory (tests count these)
         if all(overwrite):
-            dst.copy_(out)
+            dst.copy_(out)  # blocking: the host reads the main grad next (mfsdp2.offload)
             return
         # optimizer.zero_grad() (set_to_none) clears some grads: their pieces restart at 0.
         for i, dp in enumerate(self.dist_params):
@@ -358,7 +371,7 @@ class GradientReduction:
             elif dp.grad._local_tensor.data_ptr() != self.weights.piece_view(self.main_grad, i).data_ptr():
                 # The user assigned a grad of their own: fold it in before accumulating.
                 self.weights.piece_view(self.main_grad, i).copy_(dp.grad._local_tensor)
-        dst.add_(out)
+        dst.add_(self.main.fetch(out))  # offloaded: a blocking copy to the host first
 
     def expose_grads(self, flags) -> None:
         """Give ``dp.grad`` (a view of main_grad; empty where this rank holds no rows) to every

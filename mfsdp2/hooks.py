@@ -258,8 +258,8 @@ def _agree_on_gathers(ctx: RootContext) -> None:
       amax. The scales stay on the device (no host read).
     """
     persistent = [g for s in ctx.states for g in s.groups if g.persistent]
-    checked = [g for g in persistent if g.content_check]
-    _agree_on_host_facts(ctx, [g for g in persistent if not g.content_check])
+    checked = [g for g in persistent if g.compares_on_device]
+    _agree_on_host_facts(ctx, [g for g in persistent if not g.compares_on_device])
     fp8 = [g for s in ctx.states for g in s.groups if g.fp8 is not None]
     if not checked and not fp8:
         return
@@ -286,11 +286,12 @@ def _agree_on_gathers(ctx: RootContext) -> None:
 
 
 def _agree_on_host_facts(ctx: RootContext, groups: list) -> None:
-    """Persistent groups without the content check: agree on what the hosts know (a step, an
-    announced write, a moved version counter) over the CPU twin group -- no device read."""
+    """Persistent groups without the content check, or whose main weights live in host memory
+    (CPU offload): agree on what the hosts know (a step, an announced write, a moved version
+    counter; offloaded: the content fingerprint too) over the CPU twin group -- no device read."""
     if not groups:
         return
-    flags = host_tensor([1.0 if g.host_changed() else 0.0 for g in groups], torch.float32)
+    flags = host_tensor([1.0 if g.host_flag() else 0.0 for g in groups], torch.float32)
     comm = next((g.comm.host() for g in groups if g.comm.world_size > 1), None)
     if comm is not None:
         label = f"gather agreement (changed flags, host) at the forward of step {ctx.step}"

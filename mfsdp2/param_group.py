@@ -49,6 +49,7 @@ from .fp8 import Float8Gather
 from .grad_reduction import GradientReduction, _PendingReduce
 from .layout import BufferLayout, plan_layout
 from .mixed_precision import MixedPrecisionPolicy
+from .offload import MainMemory
 from .placement import RowShard, data_parallel_dtensor
 from .strategy import ShardingStrategy
 from .weight_watch import fingerprint, watch
@@ -78,6 +79,7 @@ class GroupConfig:
     shard_dim: Optional[int] = 0
     replicate_comm: Optional[Communicator] = None
     fp8: Optional[torch.dtype] = None  # gather as this float8 dtype with per-parameter scales (mfsdp2.fp8)
+    main_memory: Optional[MainMemory] = None  # where main weights/grads live (None: the compute device)
 
 
 _LIVE = weakref.WeakSet()  # every ParameterGroup alive in the process (clip_grad finds params' groups)
@@ -118,6 +120,9 @@ class ParameterGroup(GradientReduction):
         self.mesh = mesh
         self.comm = comm
         self.device = device
+        # Main weights and grads (so optimizer states and the step) live here: the compute device,
+        # or the CPU with CPUOffloadPolicy (mfsdp2.offload), where nothing aliases compute memory.
+        self.main = config.main_memory or MainMemory(device)
         self.rank = comm.rank
         self.orig_dtype = params[0].dtype
         self.requires_grad = params[0].requires_grad
@@ -134,17 +139,19 @@ class ParameterGroup(GradientReduction):
         self.layout = layout or plan_layout([tuple(p.shape) for p in params], comm.world_size, align=max(16 // itemsize, 1))
 
         S = self.layout.shard_numel
-        same = self.main_dtype == self.compute_dtype
+        # Main and model weights may share memory: same dtype, and the main state is not offloaded.
+        same = self.main_dtype == self.compute_dtype and not self.main.offloaded
         self.persistent = not config.strategy.shards_params
         if self.persistent:
             # Full model weights for the buffer's life; the main weights are its local slice
-            # when the dtypes match (one copy of this rank's rows, not two).
+            # when they can share it (one copy of this rank's rows, not two).
             self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, comm, persistent=True)
-            self.main_weight = self.weights.shard if same else torch.zeros(S, dtype=self.main_dtype, device=device)
+            self.main_weight = self.weights.shard if same else self.main.zeros(S, self.main_dtype)
         else:
-            self.main_weight = torch.zeros(S, dtype=self.main_dtype, device=device)
+            self.main_weight = self.main.zeros(S, self.main_dtype)
             self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, comm, shard=self.main_weight)
-        self._needs_cast = not same and self.persistent  # ZeRO-3 casts inside each gather instead
+        # main -> model copy into a persistent buffer's slice; ZeRO-3 copies inside each gather instead
+        self._needs_cast = not same and self.persistent
         # Persistent weights: the ranks' agreed answer to "did the weights change on any rank since
         # the last gather" (set at the root's forward, see hooks._agree_on_gathers).
         self.agreed_stale = False
@@ -168,6 +175,8 @@ class ParameterGroup(GradientReduction):
         self.fused_full: Optional[torch.Tensor] = None  # TE wgrad fusion: param.main_grad views into it
         self.fused_key = None  # its allocator key's suffix (the unit's reduction key)
         self._main_grad_alloc: Optional[BucketAllocator] = None
+        self._main_grad_host: Optional[torch.Tensor] = None  # CPU offload: the main grad's host memory
+        self.copy_outs = 0  # CPU offload: reductions copied out into the main grad (tests)
         self.dist_params: list[nn.Parameter] = []
         self._row_shards: dict[int, RowShard] = {}  # as_dtensor's placements, built once
         self._grad_dtensors = None  # (main-grad memory key, gradient DTensors): see expose_grads
@@ -296,6 +305,28 @@ class ParameterGroup(GradientReduction):
     def host_changed(self) -> bool:
         """A change this rank's host knows of: a step, an announced write, a moved version counter."""
         return self.changed or self.main_version() != self.gathered_version
+
+    @property
+    def compares_on_device(self) -> bool:
+        """Whether the content check's fingerprint is compared on the compute device (agreed over
+        the device group); offloaded main weights are fingerprinted on the host instead."""
+        return self.content_check and not self.main.offloaded
+
+    def host_flag(self) -> bool:
+        """What this rank's host can tell without reading device memory: :meth:`host_changed`,
+        and, for main weights in host memory (CPU offload) under the content check, whether the
+        main shard's fingerprint moved (a CPU computation)."""
+        if self.host_changed():
+            return True
+        if not (self.main.offloaded and self.content_check):
+            return False
+        return self._gathered_fp is None or bool((fingerprint(self.main_weight) != self._gathered_fp).any())
+
+    @property
+    def main_comm(self) -> Communicator:
+        """The shard group for sums of values computed from main state (gradient norms): the
+        device group, or its gloo twin when that state lives in host memory."""
+        return self.comm.host() if self.main.offloaded else self.comm
 
     # -- unshard / reshard --------------------------------------------------------------------
     @property

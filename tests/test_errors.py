@@ -74,6 +74,7 @@ EXPECTED = {
     "E45": (ValueError, "a container without a forward of its own"),
     "E46": (ValueError, "shards every parameter on dim 0"),
     "E47": (InvalidShardDimError, "shards every parameter on dim 0"),
+    "E48": (ValueError, "all_gather_dtype (FP8 all-gather) with CPUOffloadPolicy for Linear is not supported"),
 }
 
 
@@ -170,6 +171,9 @@ def _rows_ws1(rank, ws):
 
     _capture(out, "E46", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1)))
     _capture(out, "E47", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=lambda p: Shard(1)))
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    _capture(out, "E48", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, mp_policy=fp8, offload_policy=CPUOffloadPolicy()))
     replicated = fully_shard(nn.Linear(3, 3), mesh=mesh, sharding_strategy="no_shard")
     _capture(out, "E43", lambda: msd.get_model_state_dict(replicated, options=msd.StateDictOptions(full_state_dict=True)))
     divided = fully_shard(nn.Linear(3, 3), mesh=mesh)

@@ -33,11 +33,11 @@ E4M3 = torch.float8_e4m3fn
 STRATEGIES = ["optim_grads_params", "optim_grads", "optim", "no_shard"]
 
 
-def _shard(model, ws, strategy, mp):
+def _shard(model, ws, strategy, mp, **kw):
     mesh = init_device_mesh("cpu", (ws,))
     for b in model.blocks:
-        fully_shard(b, mesh=mesh, mp_policy=mp, sharding_strategy=strategy)
-    fully_shard(model, mesh=mesh, mp_policy=mp, sharding_strategy=strategy)
+        fully_shard(b, mesh=mesh, mp_policy=mp, sharding_strategy=strategy, **kw)
+    fully_shard(model, mesh=mesh, mp_policy=mp, sharding_strategy=strategy, **kw)
     return model
 
 
@@ -121,13 +121,18 @@ def _first_row(p):
     return 0
 
 
-def _run(rank, ws, strategy, dtype, compute, fp8, detect=True):
+def _run(rank, ws, strategy, dtype, compute, fp8, detect=True, offload=False):
     """``detect=False``: ``set_detect_data_writes(False)``, and every write is announced with
-    ``mark_weights_changed()`` -- the documented contract of that mode."""
+    ``mark_weights_changed()`` -- the documented contract of that mode. ``offload``:
+    ``CPUOffloadPolicy``, whose main weights never share the model buffer and whose content
+    check runs on the host."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
     torch.manual_seed(0)
     template = build("net").to(dtype)
+    kw = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
     model = _shard(copy.deepcopy(template), ws, strategy,
-                   MixedPrecisionPolicy(param_dtype=compute, all_gather_dtype=E4M3 if fp8 else None))
+                   MixedPrecisionPolicy(param_dtype=compute, all_gather_dtype=E4M3 if fp8 else None), **kw)
     if not detect:
         model.set_detect_data_writes(False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -169,6 +174,18 @@ def test_writes_are_seen_bf16_compute(strategy):
 
 def test_writes_are_seen_fp8_gather():
     _assert_all_seen(run_ranks(_run, 2, "optim_grads_params", torch.float32, torch.bfloat16, True), "ZeRO-3, FP8 gather")
+
+
+def _offloaded(rank, ws):
+    return [(f"{s}: {case}", ok, err) for s in STRATEGIES
+            for case, ok, err in _run(rank, ws, s, torch.float64, None, False, offload=True)]
+
+
+def test_writes_are_seen_with_cpu_offload():
+    """Offloaded main weights (host memory) are never the model buffer's slice, even for
+    no_shard at equal dtypes, and persistent strategies fingerprint them on the host and agree
+    over the host group (``ParameterGroup.host_flag``): every kind of write must still be seen."""
+    _assert_all_seen(run_ranks(_offloaded, 2), "CPU offload, float64")
 
 
 def _world_size_one(rank, ws):

@@ -113,22 +113,6 @@ def test_register_fsdp_forward_method_and_errors():
         assert "not the root" in r["errors"]["reset_non_root"]
 
 
-def _offload_cuda_rank(rank, ws):
-    """A CUDA-typed mesh is not available on the CPU box; the check runs before any collective."""
-    from mfsdp2.fully_shard import _check_offload
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
-    _check_offload(OffloadPolicy(), "cuda", "Enc")
-    _check_offload(CPUOffloadPolicy(), "cpu", "Enc")
-    with pytest.raises(ValueError, match="not supported yet"):
-        _check_offload(CPUOffloadPolicy(pin_memory=True), "cuda", "Enc")
-    return True
-
-
-def test_cpu_offload_on_cuda_mesh_is_refused():
-    assert _offload_cuda_rank(0, 1)
-
-
 def test_set_custom_and_knob_validation():
     with pytest.raises(TypeError):
         mfsdp2.FSDPModule.set_reduce_scatter_max_input_buffers(_Fake(), True)
