@@ -12,6 +12,11 @@ test, so a CUDA error or a hang fails that test alone). What is covered:
   backward, after the old one was handed to someone else (or released) and filled with NaN (torch
   without ``_swap_data_ptr_``: skipped); the ``storage.resize_`` fallback of older torch (forced)
   keeps the same views and saved views valid;
+* CPU offload (``CPUOffloadPolicy``) on CUDA: a model kept on the CPU (or moved to the GPU
+  first) trains like the unsharded model on the GPU, with parameters, gradients, optimizer states
+  and state-dict entries on the CPU (pinned when asked), the root's buffer moved to the GPU, and
+  the gradients complete when ``backward()`` returns although the GPU runs 0.1 s behind the host
+  (a non-blocking control copy shows the lag);
 * the CUDA-only lines of ``Communicator._launch`` / ``CommHandle.wait``: a side stream waits on
   the current stream before touching memory, and ``wait()`` makes the current stream (not the
   host) wait on the collective. Each of these has a control that drops the synchronisation and
@@ -248,6 +253,138 @@ def test_cuda_training_parity_with_unsharded_reference(kind, bf16, allocator):
     for name, ref in ref_params.items():
         got = full[name]
         assert got.shape == ref.shape and got.dtype == ref.dtype == torch.float32, name
+        scale = max(ref.abs().max().item(), 1e-3)
+        err = (got - ref).abs().max().item()
+        assert err <= rel * scale, f"{name}: max err {err:.3e} > {rel:.0e} * {scale:.3e}"
+    assert ref_losses[-1] < ref_losses[0], "the reference did not train: the comparison proves nothing"
+
+
+# --------------------------------------------------------------------------------------------
+# (a') CPU offload on CUDA (CPUOffloadPolicy): main state in host memory, optimizer on the CPU
+# --------------------------------------------------------------------------------------------
+
+
+class _WithBuffer(torch.nn.Module):
+    """``build("net")`` and a float32 buffer its forward reads (ones: the arithmetic is unchanged;
+    the output is float32 under any compute dtype), so a model kept on the CPU shows whether
+    fully_shard moved the root unit's buffers to the GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = build("net")
+        self.register_buffer("gain", torch.ones(5))
+
+    def forward(self, x):
+        return self.net(x) * self.gain
+
+
+def _lagging_probe(dev) -> torch.Tensor:
+    """Make the GPU run ~0.1 s behind the host from here; the returned pinned probe is written by
+    a *non-blocking* copy queued behind the sleep, so reading it at once shows 0 -- the control
+    proving that a copy the host did not wait for would be read stale."""
+    src = torch.zeros(1, device=dev)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    src.fill_(1.0)
+    probe = torch.zeros(1, pin_memory=True)
+    probe.copy_(src, non_blocking=True)
+    return probe
+
+
+def _offload_run(bf16: bool, strategy: str, pin: bool, on_gpu: bool, steps: int):
+    """The model built on the CPU (or moved to the GPU first: ``on_gpu``), sharded with
+    CPUOffloadPolicy on a CUDA mesh of one rank, clipped with mfsdp2.clip_grad_norm_ and trained;
+    the reference is the same model unsharded on the GPU, clipped by torch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from mfsdp2 import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
+
+    dev = _dev()
+    compute = torch.bfloat16 if bf16 else None
+    torch.manual_seed(0)
+    ref = _WithBuffer().to(dev)
+    work = ref
+    if bf16:  # parameters only, like the policy (the buffer stays float32)
+        work = copy.deepcopy(ref)
+        for p in work.parameters():
+            p.data = p.data.to(compute)
+    ref_opt = make_opt("adamw", ref.parameters())
+    model = _WithBuffer()
+    if on_gpu:
+        model = model.to(dev)
+    mp_policy = MixedPrecisionPolicy(param_dtype=compute)
+    kw = dict(mesh=init_device_mesh("cuda", (1,)), mp_policy=mp_policy, sharding_strategy=strategy,
+              offload_policy=CPUOffloadPolicy(pin_memory=pin))
+    for b in model.net.blocks:
+        fully_shard(b, **kw)
+    fully_shard(model, **kw)
+    facts = {"buffer": model.gain.device.type,
+             "params": {p.device.type for p in model.parameters()} | {p.to_local().device.type for p in model.parameters()},
+             "pinned": {p.to_local().is_pinned() for p in model.parameters()},
+             "state_dict": {v.to_local().device.type for v in model.state_dict().values() if hasattr(v, "to_local")}}
+    opt = make_opt("adamw", model.parameters())
+    losses, ref_losses, norms, ref_norms, lags = [], [], [], [], []
+    for step in range(steps):
+        x, y = _net_data(step, dev)
+        if bf16:
+            with torch.no_grad():
+                for w, m in zip(work.parameters(), ref.parameters()):
+                    w.copy_(m)
+        rl = loss_fn(work(x.to(compute) if bf16 else x), y)
+        rl.backward()
+        if bf16:
+            for w, m in zip(work.parameters(), ref.parameters()):
+                m.grad, w.grad = w.grad.float(), None
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(rl.item())
+
+        out = model(x)
+        assert out.is_cuda and out.dtype == torch.float32
+        loss = loss_fn(out, y)
+        probe = _lagging_probe(dev)
+        lags.append(probe.item() == 0.0)  # read at once: stale while the GPU lags
+        loss.backward()  # its copy-outs must complete before it returns, however far the GPU lags
+        facts.setdefault("grads", set()).update(p.grad.to_local().device.type for p in model.parameters())
+        facts.setdefault("grads_pinned", set()).update(p.grad.to_local().is_pinned() for p in model.parameters())
+        norms.append(clip_grad_norm_(model, 0.5).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    facts["states"] = {t.to_local().device.type for s in opt.state.values() for t in s.values() if hasattr(t, "to_local")}
+    facts["copy_outs"] = {g.copy_outs for m in model.modules() if hasattr(m, "_mfsdp2_state") for g in m._mfsdp2_state.groups}
+    full = {k: p.to_local().detach().clone() for k, p in model.named_parameters()}  # world size 1: the whole parameter
+    return losses, ref_losses, norms, ref_norms, lags, facts, full, {k: v.detach().cpu() for k, v in ref.named_parameters()}
+
+
+OFFLOAD = [
+    # (bf16 compute, strategy, pin_memory, model moved to the GPU before fully_shard)
+    (False, "optim_grads_params", True, False),
+    (True, "optim_grads_params", True, False),
+    (False, "optim_grads_params", False, True),
+    (True, "optim_grads", True, False),
+    (False, "no_shard", True, False),
+]
+
+
+@pytest.mark.parametrize("bf16,strategy,pin,on_gpu", OFFLOAD)
+def test_cuda_cpu_offload_parity_with_unsharded_reference(bf16, strategy, pin, on_gpu):
+    losses, ref_losses, norms, ref_norms, lags, facts, full, ref_params = run_cuda(_offload_run, bf16, strategy, pin, on_gpu, STEPS)
+    assert all(lags), "control: the GPU did not lag the host, so an unsynchronised copy-out would go unseen (raise SLEEP_CYCLES)"
+    assert facts["buffer"] == "cuda", "the root unit's buffer was not moved to the compute device"
+    assert facts["params"] == facts["grads"] == facts["states"] == facts["state_dict"] == {"cpu"}, facts
+    assert facts["pinned"] == facts["grads_pinned"] == {pin}, facts
+    assert facts["copy_outs"] == {STEPS}, facts
+    # fp32: the optimizer steps on the CPU here, on the GPU in the reference (rounding only);
+    # bf16: the same casts, so only kernel choice may differ.
+    rel = 1e-5 if not bf16 else 2e-3
+    for step, (a, b, na, nb) in enumerate(zip(losses, ref_losses, norms, ref_norms)):
+        assert math.isfinite(a) and abs(a - b) <= rel * abs(b), f"step {step}: loss {a} vs reference {b}"
+        assert abs(na - nb) <= rel * nb, f"step {step}: grad norm {na} vs reference {nb}"
+    for name, ref in ref_params.items():
+        got = full[name]
+        assert got.device.type == "cpu" and got.shape == ref.shape and got.dtype == ref.dtype == torch.float32, name
         scale = max(ref.abs().max().item(), 1e-3)
         err = (got - ref).abs().max().item()
         assert err <= rel * scale, f"{name}: max err {err:.3e} > {rel:.0e} * {scale:.3e}"

@@ -119,6 +119,25 @@ def _vs_fsdp2(rank, ws, mesh, kind):
     return out
 
 
+def _accumulate_vs_fsdp2(rank, ws, mesh):
+    """Two synced micro-batches per step (no zero_grad between them): the second reduction is
+    added to the host main gradient through a host copy (FSDP2 adds into its CPU grad)."""
+    models = sharded_pair(mesh, "net", offload_policy=OFF)
+    opts = {k: make_opt("adamw", m.parameters()) for k, m in models.items()}
+    snaps = {k: [] for k in models}
+    n = GB // ws // 2
+    for s in range(STEPS):
+        x, y = batch(s, GB, 12, dtype=F64)
+        x, y = x[rank * 2 * n : (rank + 1) * 2 * n], y[rank * 2 * n : (rank + 1) * 2 * n]
+        for k, m in models.items():
+            for mb in range(2):
+                (loss_fn(m(x[mb * n : (mb + 1) * n]), y[mb * n : (mb + 1) * n]) / 2).backward()
+            snaps[k].append(snapshot(m))
+            opts[k].step()
+            opts[k].zero_grad()
+    return snaps, _offload_facts(models["mfsdp2"], opts["mfsdp2"])
+
+
 def _strategies(rank, ws, mesh):
     """ZeRO-2 / ZeRO-1 / no_shard with offload (FSDP2 has no such strategies): the unsharded
     model is the reference. FSDP2's default CPUOffloadPolicy() (pin_memory=True) is accepted."""
@@ -204,6 +223,7 @@ def _rank2(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     return dict(
         fsdp2=_vs_fsdp2(rank, ws, mesh, "net"),
+        accumulate=_accumulate_vs_fsdp2(rank, ws, mesh),
         strategies=_strategies(rank, ws, mesh),
         bf16=_bf16_pairs(rank, ws, mesh),
         clip=_clip(rank, ws, mesh),
@@ -256,6 +276,18 @@ def test_zero3_offload_matches_fsdp2_offload_and_unsharded_each_step():
                 assert_close_rel(r["snaps"]["mfsdp2"][s][k][1], g, f"{where} step {s} grad {k}", REL_F64)
         assert_same_snapshots(r["final"]["mfsdp2"], r["final"]["fsdp2"], f"{where} final", REL_F64)
         _assert_final(r["final"]["mfsdp2"], ref_final, where)
+
+
+def test_accumulation_across_synced_backwards_matches_fsdp2_offload():
+    _, ref_snaps, _ = _reference()
+    for rank, res in enumerate(_results2()):
+        snaps, facts = res["accumulate"]
+        where = f"accumulation rank {rank}"
+        _assert_offload_path(facts, 2 * STEPS, where)
+        for s in range(STEPS):
+            assert_same_snapshots(snaps["mfsdp2"][s], snaps["fsdp2"][s], f"{where} step {s}", REL_F64)
+            for k, (_, g) in ref_snaps[s].items():  # the mean of the two halves' means: the full-batch gradient
+                assert_close_rel(snaps["mfsdp2"][s][k][1], g, f"{where} step {s} grad {k}", REL_F64)
 
 
 def test_dsd_state_dicts_under_offload_match_fsdp2():
