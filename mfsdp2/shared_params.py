@@ -95,10 +95,14 @@ def _rebuild_without(state: "FSDPState", g: "ParameterGroup", idx: int) -> None:
         # data-parallel dimension only (its layout slot has the local shape), keeping its TP spec.
         if g.needs_init:
             value = torch.empty(g.layout.slots[j].shape, dtype=g.orig_dtype, device="meta")
-        elif spec is not None:
-            value = dp.redistribute(dp.device_mesh, spec.placements + (Replicate(),)).to_local().to(g.orig_dtype)
         else:
-            value = dp.full_tensor().to(g.orig_dtype)
+            # Gathered on the compute device: CPU-offloaded shards live in host memory, which the
+            # mesh's device group (NCCL) cannot gather. A no-op without offload.
+            src = dp.detach().to(g.device)
+            if spec is not None:
+                value = src.redistribute(dp.device_mesh, spec.placements + (Replicate(),)).to_local().to(g.orig_dtype)
+            else:
+                value = src.full_tensor().to(g.orig_dtype)
         p = nn.Parameter(value, requires_grad=g.requires_grad)
         for k, v in dp.__dict__.items():
             if not k.startswith("_mfsdp2"):
