@@ -108,10 +108,9 @@ def _collect(
     return [infos[k] for k in keys], [params[k] for k in keys], specs
 
 
-def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
-    """Under CPU offload a unit's modules may stay on the CPU (only their shards are kept, in
-    host memory); their buffers move to the compute device, as FSDP2 moves every unit's buffers
-    (``_move_states_to_device``). Nested units' buffers are theirs to move."""
+def _own_modules(modules: list[nn.Module]):
+    """The unit's own modules: ``modules`` and their subtrees, minus nested units (which keep
+    their own parameters and buffers)."""
     def own(m: nn.Module):
         yield m
         for child in m.children():
@@ -119,10 +118,17 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
                 yield from own(child)
 
     for m in modules:
-        for sub in own(m):
-            for name, b in sub._buffers.items():
-                if b is not None and not b.is_meta and b.device != device:
-                    sub._buffers[name] = b.to(device)
+        yield from own(m)
+
+
+def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
+    """Under CPU offload a unit's modules may stay on the CPU (only their shards are kept, in
+    host memory); their buffers move to the compute device, as FSDP2 moves every unit's buffers
+    (``_move_states_to_device``). Nested units' buffers are theirs to move."""
+    for sub in _own_modules(modules):
+        for name, b in sub._buffers.items():
+            if b is not None and not b.is_meta and b.device != device:
+                sub._buffers[name] = b.to(device)
 
 
 def _tp_local(p: nn.Parameter) -> nn.Parameter:
@@ -223,22 +229,15 @@ def _check_placements(shard_placement_fn: Callable, infos: list[list[ParamInfo]]
 def _plain_spmd_params(modules: list[nn.Module], spmd_mesh: DeviceMesh, where: str) -> None:
     """With ``dp_mesh_dims``, FSDP2 takes DTensors replicated over the (data-parallel) SPMD mesh:
     their local tensors are the full parameters, which is what mfsdp2 shards."""
-    def own(m: nn.Module):  # the unit's own modules: nested units keep their sharded DTensors
-        yield m
-        for child in m.children():
-            if not isinstance(child, FSDPModule):
-                yield from own(child)
-
-    for m in modules:
-        for sub in own(m):
-            for attr, p in list(sub._parameters.items()):
-                if isinstance(p, DTensor) and p.device_mesh == spmd_mesh:
-                    if not all(isinstance(pl, Replicate) for pl in p.placements):
-                        raise ValueError(
-                            f"mfsdp2: parameter {attr!r} of {type(sub).__name__} in {where} is a DTensor with "
-                            f"{p.placements} on the dp_mesh_dims mesh; FSDP2 and mfsdp2 need Replicate() there"
-                        )
-                    sub._parameters[attr] = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+    for sub in _own_modules(modules):  # nested units keep their sharded DTensors
+        for attr, p in list(sub._parameters.items()):
+            if isinstance(p, DTensor) and p.device_mesh == spmd_mesh:
+                if not all(isinstance(pl, Replicate) for pl in p.placements):
+                    raise ValueError(
+                        f"mfsdp2: parameter {attr!r} of {type(sub).__name__} in {where} is a DTensor with "
+                        f"{p.placements} on the dp_mesh_dims mesh; FSDP2 and mfsdp2 need Replicate() there"
+                    )
+                sub._parameters[attr] = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
 
 
 def fully_shard(

@@ -24,12 +24,12 @@ STEPS = 6
 GLOBAL_BATCH = 8
 
 
-def _build(mesh, strategy):
+def _build(mesh, strategy, **kw):
     model = build("net", dtype=F64)
     for b in model.blocks:
         parallelize_module(b, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-        fully_shard(b, mesh=mesh["dp"], sharding_strategy=strategy)
-    fully_shard(model, mesh=mesh["dp"], sharding_strategy=strategy)
+        fully_shard(b, mesh=mesh["dp"], sharding_strategy=strategy, **kw)
+    fully_shard(model, mesh=mesh["dp"], sharding_strategy=strategy, **kw)
     return model
 
 

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from . import mean_loss, sharded_pair, snapshot, assert_same_snapshots
 from .test_dsd import GET_OPTIONS, _assert_same, _describe, _fqn_optim
 from .._dist import run_ranks
+from ..test_tp import _build as tp_build
 from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, shard_blocks
 
 STEPS, GB = 3, 8
@@ -261,21 +262,37 @@ def _assert_final(params: dict, ref: dict, where: str) -> None:
         assert_close_rel(params[k][0], v, f"{where} {k}", REL_F64)
 
 
+def _assert_trains_like_fsdp2(r: dict, kind: str, where: str) -> None:
+    """Per step: losses against the unsharded model; full parameters and gradients against
+    FSDP2's (and the unsharded model's) before each optimizer step; the final parameters."""
+    ref_losses, ref_snaps, ref_final = _reference(kind)
+    _assert_offload_path(r["facts"], STEPS, where)
+    for k in ("mfsdp2", "fsdp2"):
+        assert_losses_close(r["losses"][k], ref_losses, f"{where} {k}", REL_F64)
+    for s in range(STEPS):
+        assert_same_snapshots(r["snaps"]["mfsdp2"][s], r["snaps"]["fsdp2"][s], f"{where} step {s}", REL_F64)
+        for k, (p, g) in ref_snaps[s].items():
+            assert_close_rel(r["snaps"]["mfsdp2"][s][k][0], p, f"{where} step {s} param {k}", REL_F64)
+            assert_close_rel(r["snaps"]["mfsdp2"][s][k][1], g, f"{where} step {s} grad {k}", REL_F64)
+    assert_same_snapshots(r["final"]["mfsdp2"], r["final"]["fsdp2"], f"{where} final", REL_F64)
+    _assert_final(r["final"]["mfsdp2"], ref_final, where)
+
+
+def _assert_state_dicts_like_fsdp2(r: dict, where: str) -> None:
+    """Every DSD get option gives what FSDP2's offloaded model gives; FSDP2's full state dict
+    loaded into a fresh offloaded mfsdp2 model continues exactly as FSDP2 does."""
+    for i, o in enumerate(GET_OPTIONS):
+        for part in (0, 1):
+            _assert_same(r["get", "mfsdp2", i][part], r["get", "fsdp2", i][part], f"{where} {o} {('model', 'optim')[part]}")
+    (lt, st, ft), (lo, so, fo) = r["resumed"]["fsdp2"], r["resumed"]["mfsdp2"]
+    assert abs(lo - lt) <= REL_F64 * abs(lt), (where, lo, lt)
+    assert_same_snapshots(so, st, f"{where} resumed step", REL_F64)
+    assert_same_snapshots(fo, ft, f"{where} after the resumed step", REL_F64)
+
+
 def test_zero3_offload_matches_fsdp2_offload_and_unsharded_each_step():
-    ref_losses, ref_snaps, ref_final = _reference()
     for rank, res in enumerate(_results2()):
-        r = res["fsdp2"]
-        where = f"rank {rank}"
-        _assert_offload_path(r["facts"], STEPS, where)
-        for k in ("mfsdp2", "fsdp2"):
-            assert_losses_close(r["losses"][k], ref_losses, f"{where} {k}", REL_F64)
-        for s in range(STEPS):
-            assert_same_snapshots(r["snaps"]["mfsdp2"][s], r["snaps"]["fsdp2"][s], f"{where} step {s}", REL_F64)
-            for k, (p, g) in ref_snaps[s].items():
-                assert_close_rel(r["snaps"]["mfsdp2"][s][k][0], p, f"{where} step {s} param {k}", REL_F64)
-                assert_close_rel(r["snaps"]["mfsdp2"][s][k][1], g, f"{where} step {s} grad {k}", REL_F64)
-        assert_same_snapshots(r["final"]["mfsdp2"], r["final"]["fsdp2"], f"{where} final", REL_F64)
-        _assert_final(r["final"]["mfsdp2"], ref_final, where)
+        _assert_trains_like_fsdp2(res["fsdp2"], "net", f"rank {rank}")
 
 
 def test_accumulation_across_synced_backwards_matches_fsdp2_offload():
@@ -291,17 +308,8 @@ def test_accumulation_across_synced_backwards_matches_fsdp2_offload():
 
 
 def test_dsd_state_dicts_under_offload_match_fsdp2():
-    """Every get option gives what FSDP2's offloaded model gives; FSDP2's full state dict loaded
-    into a fresh offloaded mfsdp2 model continues exactly as FSDP2 does."""
     for rank, res in enumerate(_results2()):
-        r = res["fsdp2"]
-        for i, o in enumerate(GET_OPTIONS):
-            for part in (0, 1):
-                _assert_same(r["get", "mfsdp2", i][part], r["get", "fsdp2", i][part], f"rank {rank} {o} {('model', 'optim')[part]}")
-        (lt, st, ft), (lo, so, fo) = r["resumed"]["fsdp2"], r["resumed"]["mfsdp2"]
-        assert abs(lo - lt) <= REL_F64 * abs(lt), (rank, lo, lt)
-        assert_same_snapshots(so, st, f"rank {rank} resumed step", REL_F64)
-        assert_same_snapshots(fo, ft, f"rank {rank} after the resumed step", REL_F64)
+        _assert_state_dicts_like_fsdp2(res["fsdp2"], f"rank {rank}")
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim", "no_shard"])
@@ -359,19 +367,6 @@ def test_conversions_keep_offloaded_main_state(case):
 
 
 # -- world size 4 ---------------------------------------------------------------------------------
-def _tp_model(mesh):
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from mfsdp2 import fully_shard
-
-    model = build("net", dtype=F64)
-    for b in model.blocks:
-        parallelize_module(b, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-        fully_shard(b, mesh=mesh["dp"], offload_policy=OFF)
-    fully_shard(model, mesh=mesh["dp"], offload_policy=OFF)
-    return model
-
-
 def _rank4(rank, ws):
     out = {}
     # empty local pieces ("tiny" at world size 4), against FSDP2 in the same process
@@ -383,7 +378,7 @@ def _rank4(rank, ws):
     out["hsdp"] = ([_step(model, opt, s, rank, ws)[0] for s in range(STEPS)], snapshot(model), _offload_facts(model, opt))
     # FSDP x TP: (dp=2, tp=2), blocks tensor-parallel, then sharded over dp with offload
     tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = _tp_model(tp)
+    model = tp_build(tp, "optim_grads_params", offload_policy=OFF)
     opt = make_opt("adamw", model.parameters())
     dp = (tp.get_local_rank(0), 2)
     out["tp"] = ([_step(model, opt, s, rank, ws, dp=dp)[0] for s in range(STEPS)], snapshot(model), _offload_facts(model, opt))
@@ -397,22 +392,9 @@ def _results4():
 
 @pytest.mark.slow
 def test_ws4_empty_pieces_offload_matches_fsdp2_offload():
-    ref_losses, ref_snaps, ref_final = _reference("tiny")
     for rank, res in enumerate(_results4()):
-        r = res["tiny"]
-        where = f"tiny rank {rank}"
-        _assert_offload_path(r["facts"], STEPS, where)
-        assert_losses_close(r["losses"]["mfsdp2"], ref_losses, where, REL_F64)
-        for s in range(STEPS):
-            assert_same_snapshots(r["snaps"]["mfsdp2"][s], r["snaps"]["fsdp2"][s], f"{where} step {s}", REL_F64)
-        assert_same_snapshots(r["final"]["mfsdp2"], r["final"]["fsdp2"], f"{where} final", REL_F64)
-        _assert_final(r["final"]["mfsdp2"], ref_final, where)
-        for i, o in enumerate(GET_OPTIONS):
-            for part in (0, 1):
-                _assert_same(r["get", "mfsdp2", i][part], r["get", "fsdp2", i][part], f"{where} {o} {part}")
-        (lt, st, ft), (lo, so, fo) = r["resumed"]["fsdp2"], r["resumed"]["mfsdp2"]
-        assert abs(lo - lt) <= REL_F64 * abs(lt), (where, lo, lt)
-        assert_same_snapshots(fo, ft, f"{where} after the resumed step", REL_F64)
+        _assert_trains_like_fsdp2(res["tiny"], "tiny", f"tiny rank {rank}")
+        _assert_state_dicts_like_fsdp2(res["tiny"], f"tiny rank {rank}")
 
 
 @pytest.mark.slow
