@@ -269,8 +269,9 @@ def fully_shard(
     ``shard_placement_fn`` may return ``None`` or ``Shard(0)`` (mfsdp2 shards dim 0 only).
     ``offload_policy``: ``OffloadPolicy()``, or ``CPUOffloadPolicy(pin_memory=...)``: main
     weights, gradients and optimizer states in (pinned) host memory, the optimizer step on the
-    CPU, compute on the mesh's device (:mod:`mfsdp2.offload`; on a CPU mesh the same code path). ``ignored_params`` stay plain: not sharded, not moved,
-    their gradients never reduced (each rank keeps its own), as in FSDP2.
+    CPU, compute on the mesh's device (:mod:`mfsdp2.offload`; on a CPU mesh the same code path).
+    ``ignored_params`` stay plain: not sharded, not moved, their gradients never reduced (each
+    rank keeps its own), as in FSDP2.
     mfsdp2's own: ``allocator`` is read from the root only (``"caching"`` default, ``"dynamic"``,
     ``"trace_pool"`` or a :class:`~mfsdp2.allocator.BucketAllocator`); ``sharding_strategy``:
     ``"optim_grads_params"`` (ZeRO-3, default), ``"optim_grads"`` (ZeRO-2), ``"optim"`` (ZeRO-1)

@@ -344,7 +344,8 @@ class FSDPModule:
         strategy keeps), ``main_weight_bytes``, ``main_grad_bytes`` (while they exist: from the
         first reduction to the forward after ``zero_grad(set_to_none=True)``), ``fp8_bytes``
         (quantised shards) and ``partial_grad_bytes`` (HSDP sums waiting for an all-reduce);
-        ``persistent_bytes`` = model + main + fp8. ``transient_peak_bytes`` /
+        ``persistent_bytes`` = model + main + fp8; ``host_bytes``: how much of it is host memory
+        (``CPUOffloadPolicy``: main weights and main grads). ``transient_peak_bytes`` /
         ``transient_live_bytes``: what the shared allocator serves -- unsharded weights,
         gradient buffers and main grads -- peak since the last ``stats.reset_peak()``;
         ``cached_bytes``: memory the allocator holds for reuse while no buffer uses it.
@@ -372,6 +373,10 @@ class FSDPModule:
             out["fp8_bytes"] += distinct(g.fp8.bytes.shard if g.fp8 is not None else None)
             out["partial_grad_bytes"] += distinct(g.partial)
         out["persistent_bytes"] = out["model_weight_bytes"] + out["main_weight_bytes"] + out["fp8_bytes"]
+        # CPU offload: the part of the above in host memory (main weights, and the main grads'
+        # host blocks, which are kept for reuse once allocated)
+        out["host_bytes"] = sum(t.numel() * t.element_size() for g in groups if g.main.offloaded
+                                for t in (g.main_weight, g._main_grad_host) if t is not None)
         stats = self.allocator.stats
         out.update(
             transient_peak_bytes=stats.peak_bytes,

@@ -70,6 +70,10 @@ def _offload_facts(model, opt) -> dict:
         grad_devices={p.grad.to_local().device.type for p in model.parameters() if p.grad is not None},
         state_devices={t.to_local().device.type for t in states},
         pinned=any(p.to_local().is_pinned() for p in model.parameters()),
+        # host memory memory_stats() reports, against what the groups hold there
+        host_bytes=(model.memory_stats()["host_bytes"],
+                    sum(g.main_weight.element_size() * (g.layout.shard_numel + g.requires_grad * (
+                        g.layout.total_numel if g.full_grads else g.layout.shard_numel)) for g in groups)),
     )
 
 
@@ -80,6 +84,7 @@ def _assert_offload_path(facts: dict, reductions: int, where: str, pin: bool = F
     assert not any(facts["shares_model_buffer"]), where
     assert facts["devices"] == facts["state_devices"] == {"cpu"}, (where, facts)
     assert facts["grad_devices"] in (set(), {"cpu"}), where
+    assert facts["host_bytes"][0] == facts["host_bytes"][1] > 0, (where, facts["host_bytes"])
     # page-locked only when asked and CUDA exists (torch cannot pin without it)
     assert facts["pinned"] == (pin and torch.cuda.is_available()), where
 
