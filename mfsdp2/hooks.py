@@ -22,10 +22,13 @@ final backward callback.
   FP8 scales (one small all-reduce for the whole model).
 * **post-backward** (backward of :class:`_PostBackward`): pack gradients, issue the async
   reduction, keep at most two units' reductions in flight (sliding drain; HSDP's all-reduce
-  across replicas is a second stage with its own queue), reshard.
+  across replicas is a second stage with its own queue), reshard. Full-gradient strategies
+  (no_shard, ZeRO-1) pack into a shared bucket instead (:mod:`mfsdp2.grad_buckets`), issued when
+  full and finished by the buckets, never by the sliding drain (which would issue every bucket
+  after one unit).
 * **final callback** (queued on the autograd engine): reduce what no hook reduced (units whose
-  inputs need no grad, like the root; unused outputs), drain every reduction, reshard everything,
-  and fail loudly if a unit is still mid-forward.
+  inputs need no grad, like the root; unused outputs), issue the open buckets, drain every
+  reduction, reshard everything, and fail loudly if a unit is still mid-forward.
 """
 
 from __future__ import annotations
@@ -250,8 +253,8 @@ def _agree_on_gathers(ctx: RootContext) -> None:
       amax. The scales stay on the device (no host read).
     """
     persistent = [g for s in ctx.states for g in s.groups if g.persistent]
-    checked = [g for g in persistent if g.content_check]
-    _agree_on_host_facts(ctx, [g for g in persistent if not g.content_check])
+    checked = [g for g in persistent if g.fingerprinted]
+    _agree_on_host_facts(ctx, [g for g in persistent if not g.fingerprinted])
     fp8 = [g for s in ctx.states for g in s.groups if g.fp8 is not None]
     if not checked and not fp8:
         return
@@ -407,8 +410,8 @@ def post_backward(state: FSDPState) -> None:
             for i, g in enumerate(state.groups):
                 if g.requires_grad and g.has_unsharded_grads():
                     label = f"reduce-scatter of unit {state.name!r} ({g.name}, step {ctx.step})"
-                    g.reduce_grads(ctx.allocator, (state.name, i), label)
-                    issued = True
+                    if not g.reduce_grads(ctx.allocator, (state.name, i), label, ctx.buckets):
+                        issued = True  # its own collective (a bucketed one is finished by the buckets)
             if issued:
                 event_log.record("rs_issue", state.name)
                 for q in (ctx.reduce_queue, ctx.allreduce_queue):
@@ -433,7 +436,9 @@ def _drain(ctx: RootContext, keep: int) -> None:
     while len(ctx.reduce_queue) > keep:
         s = ctx.reduce_queue.pop(0)
         with trace_range(f"mfsdp2.finish_reduce {s.name}"):
-            done = [g.advance_reduce(ctx.allocator) for g in s.groups]
+            # A group whose reduction waits in a bucket is the buckets' to finish: waiting here
+            # would issue its bucket before the bucket's other members are packed.
+            done = [g.advance_reduce(ctx.allocator) if g.reduce_bucket is None else True for g in s.groups]
         if all(done):
             event_log.record("rs_done", s.name)
         else:
@@ -443,7 +448,8 @@ def _drain(ctx: RootContext, keep: int) -> None:
         s = ctx.allreduce_queue.pop(0)
         with trace_range(f"mfsdp2.finish_all_reduce {s.name}"):
             for g in s.groups:
-                g.finish_reduce(ctx.allocator)
+                if g.reduce_bucket is None:
+                    g.finish_reduce(ctx.allocator)
         event_log.record("ar_done", s.name)
 
 
@@ -498,7 +504,10 @@ def _final_callback(ctx: RootContext) -> None:
                     for g in s.groups:
                         if g.requires_grad:
                             g.accumulate_unsynced()
+            ctx.buckets.flush()  # buckets whose last planned member never came are issued as they are
+            ctx.buckets.end_backward()
             if ctx.root.is_last_backward:  # else (set_is_last_backward(False)) they stay in flight
+                ctx.buckets.complete_all()
                 _drain(ctx, keep=0)
                 _sync_grad_presence(ctx)
             pending = []
@@ -543,6 +552,7 @@ def reset(ctx: RootContext) -> None:
         s.expect_backward = False
     ctx.reduce_queue.clear()
     ctx.allreduce_queue.clear()
+    ctx.buckets.abort()
     ctx.callback_queued = False
     ctx.schedule.abandon_pass()
     event_log.record("reset", ctx.root.name)

@@ -324,6 +324,17 @@ class FSDPModule:
             raise ValueError(f"prefetch depth must be >= 0, got {depth}")
         state.ctx.schedule.prefetch_depth = depth
 
+    def set_all_reduce_bucket_cap_mb(self, mb: float) -> None:
+        """Bucket size, in MiB, of the gradient all-reduces of the full-gradient strategies
+        (``no_shard``, ZeRO-1 ``optim``): consecutive units' gradients, in backward order, are
+        all-reduced together up to this size (root only; default 25, torch DDP's
+        ``bucket_cap_mb``). 0 turns bucketing off: every unit all-reduces its own gradients as
+        soon as they are packed. Takes effect from the second backward after the call (the first
+        records the order the buckets are planned from). See :mod:`mfsdp2.grad_buckets`."""
+        state = self._mfsdp2_state
+        lazy_init(state)
+        state.ctx.buckets.set_cap_mb(mb)
+
     def memory_stats(self) -> dict[str, int]:
         """Bytes the runtime owns on this rank for the units under this root.
 

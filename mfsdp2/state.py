@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .allocator import BucketAllocator
 from .trace_pool import make_allocator
 from .comm import Communicator
+from .grad_buckets import GradientBuckets
 from .mixed_precision import MixedPrecisionPolicy
 
 if TYPE_CHECKING:
@@ -121,6 +122,9 @@ class RootContext:
         self.callback_queued = False
         self.reduce_queue: list[FSDPState] = []  # units with a reduce-scatter in flight, oldest first
         self.allreduce_queue: list[FSDPState] = []  # HSDP: units whose all-reduce across replicas is in flight
+        # Full-gradient strategies' all-reduces, bucketed across units (grad_buckets.py); their
+        # units never enter reduce_queue for those groups.
+        self.buckets = GradientBuckets(allocator, root.name)
         self.step = 0
         # set_post_optim_event: the next root forward makes the current stream wait on it first.
         self.post_optim_event = None
