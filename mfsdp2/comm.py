@@ -362,7 +362,7 @@ class Communicator:
         """Elements of receive scratch :meth:`reduce_scatter` wants for a ``shard_numel`` output
         (0 unless the gloo point-to-point path runs), so callers can take it from their allocator."""
         if self.world_size > 1 and self.p2p_reduce_scatter and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return (self.world_size - 1) * shard_numel
+            return (self.world_size - 2) * shard_numel  # one received chunk lands in the output itself
         return 0
 
     def reduce_scatter(
@@ -406,18 +406,24 @@ class Communicator:
         bitwise reproducible) happens at ``wait()``."""
         n, r, S = self.world_size, self.rank, out.numel()
         chunks = inp.view(n, S)
-        # Received chunks only (n-1 of them); this rank's own chunk is read in place.
-        recv = scratch.view(n - 1, S) if scratch is not None else torch.empty((n - 1, S), dtype=inp.dtype, device=inp.device)
-        slot = {src: i for i, src in enumerate(s for s in range(n) if s != r)}
+        # Received chunks only; this rank's own chunk is read in place, and the lowest-ranked
+        # peer's chunk is received straight into ``out`` (so world size 2 needs no scratch): it is
+        # one of the first two terms of the rank-order sum, which ``torch.add(.., out=out)`` reads
+        # before writing each element. The other n-2 go to ``scratch``.
+        peers = [s for s in range(n) if s != r]
+        if n > 2:
+            rest = scratch.view(n - 2, S) if scratch is not None else torch.empty((n - 2, S), dtype=inp.dtype, device=inp.device)
+        into = {src: (out if i == 0 else rest[i - 1]) for i, src in enumerate(peers)}
         works = []
         for k in range(1, n):  # staggered peers so every pair exchanges at once
             dst, src = (r + k) % n, (r - k) % n
             works.append(dist.isend(chunks[dst], group=self.group, group_dst=dst))
-            works.append(dist.irecv(recv[slot[src]], group=self.group, group_src=src))
+            works.append(dist.irecv(into[src], group=self.group, group_src=src))
 
         def reduce() -> None:
-            # Sum in rank order 0..n-1 whatever this rank is: every rank adds the same way.
-            parts = [chunks[r] if s == r else recv[slot[s]] for s in range(n)]
+            # Sum in rank order 0..n-1 whatever this rank is: every rank adds the same way
+            # (a + b and b + a are the same float, so summing into the received term is exact).
+            parts = [chunks[r] if s == r else into[s] for s in range(n)]
             torch.add(parts[0], parts[1], out=out)
             for p in parts[2:]:
                 out.add_(p)

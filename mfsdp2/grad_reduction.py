@@ -163,6 +163,10 @@ class GradientReduction:
             return None
         return comm if comm.world_size > 1 else None
 
+    def reduces_in_bucket(self, buckets: Optional[GradientBuckets]) -> bool:
+        """Whether :meth:`reduce_grads` with these ``buckets`` packs into a shared bucket."""
+        return buckets is not None and buckets.enabled and self._bucket_comm() is not None
+
     def reduce_grads(self, allocator: BucketAllocator, key, label: str = "", buckets: Optional[GradientBuckets] = None) -> bool:
         """Pack the unsharded grads into a flat buffer and issue its reduction (async).
 
@@ -180,7 +184,7 @@ class GradientReduction:
         self.finish_reduce(allocator)  # one reduction per group in flight
         layout = self.layout
         prescale, op, replicate_op = self._reduce_ops()
-        comm = self._bucket_comm() if buckets is not None and buckets.enabled else None
+        comm = self._bucket_comm() if self.reduces_in_bucket(buckets) else None
         if comm is not None:
             self._reduce_into_bucket(buckets, comm, op if comm is self.comm else replicate_op, prescale, key, label)
             return True

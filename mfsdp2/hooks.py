@@ -20,9 +20,9 @@ final backward callback.
 * **root's pre-forward** additionally releases cleared main grads and, when some groups keep
   persistent weights or gather in FP8, agrees across ranks on which must be regathered and on the
   FP8 scales (one small all-reduce for the whole model).
-* **post-backward** (backward of :class:`_PostBackward`): pack gradients, issue the async
-  reduction, keep at most two units' reductions in flight (sliding drain; HSDP's all-reduce
-  across replicas is a second stage with its own queue), reshard. Full-gradient strategies
+* **post-backward** (backward of :class:`_PostBackward`): reshard, finish the previous unit's
+  reduction (one reduction input alive at a time, FSDP2's default; HSDP's all-reduce across
+  replicas is a second stage with its own queue), pack gradients, issue the async reduction. Full-gradient strategies
   (no_shard, ZeRO-1) pack into a shared bucket instead (:mod:`mfsdp2.grad_buckets`), issued when
   full and finished by the buckets, never by the sliding drain (which would issue every bucket
   after one unit).
@@ -404,14 +404,22 @@ class _PostBackward(torch.autograd.Function):
 def post_backward(state: FSDPState) -> None:
     ctx = state.ctx
     event_log.record("backward_end", state.name)
+    # The gathered weights go back before the gradients are packed (FSDP2's order): the flat
+    # gradient buffer never coexists with this unit's weights.
+    if state.reshard_after_backward:
+        reshard(state)
     if state.requires_gradient_sync:
         with trace_range(f"mfsdp2.reduce_grad {state.name}"):
+            reducing = [(i, g) for i, g in enumerate(state.groups) if g.requires_grad and g.has_unsharded_grads()]
+            if any(not g.reduces_in_bucket(ctx.buckets) for _, g in reducing):
+                # At most max_reduce_in_flight reduction inputs alive, this unit's included (FSDP2's
+                # set_reduce_scatter_max_input_buffers; default 1): finish older ones first.
+                _drain(ctx, keep=state.max_reduce_in_flight - 1, keep_allreduce=state.max_reduce_in_flight)
             issued = False
-            for i, g in enumerate(state.groups):
-                if g.requires_grad and g.has_unsharded_grads():
-                    label = f"reduce-scatter of unit {state.name!r} ({g.name}, step {ctx.step})"
-                    if not g.reduce_grads(ctx.allocator, (state.name, i), label, ctx.buckets):
-                        issued = True  # its own collective (a bucketed one is finished by the buckets)
+            for i, g in reducing:
+                label = f"reduce-scatter of unit {state.name!r} ({g.name}, step {ctx.step})"
+                if not g.reduce_grads(ctx.allocator, (state.name, i), label, ctx.buckets):
+                    issued = True  # its own collective (a bucketed one is finished by the buckets)
             if issued:
                 event_log.record("rs_issue", state.name)
                 for q in (ctx.reduce_queue, ctx.allreduce_queue):
@@ -423,16 +431,18 @@ def post_backward(state: FSDPState) -> None:
         for g in state.groups:
             if g.requires_grad:
                 g.accumulate_unsynced()
-    if state.reshard_after_backward:
-        reshard(state)
     state.post_backward_done = True
     state.training_state = TrainingState.POST_BACKWARD
 
 
-def _drain(ctx: RootContext, keep: int) -> None:
-    """Advance the oldest in-flight reductions until at most ``keep`` remain in each stage: a
-    unit whose shard-group reduction finishes moves on to its all-reduce across replicas (HSDP),
-    which is finished in turn when more than ``keep`` of those are in flight."""
+def _drain(ctx: RootContext, keep: int, keep_allreduce: Optional[int] = None) -> None:
+    """Advance the oldest in-flight reductions until at most ``keep`` remain in the first stage
+    (``keep_allreduce``, default ``keep``, in the second): a unit whose shard-group reduction
+    finishes moves on to its all-reduce across replicas (HSDP), which is finished in turn when
+    more than ``keep_allreduce`` of those are in flight. The second stage's buffers are the
+    shard-size outputs, so it may keep more in flight than the first, whose inputs are full-size."""
+    if keep_allreduce is None:
+        keep_allreduce = keep
     while len(ctx.reduce_queue) > keep:
         s = ctx.reduce_queue.pop(0)
         with trace_range(f"mfsdp2.finish_reduce {s.name}"):
@@ -444,7 +454,7 @@ def _drain(ctx: RootContext, keep: int) -> None:
         else:
             event_log.record("ar_issue", s.name)
             ctx.allreduce_queue.append(s)
-    while len(ctx.allreduce_queue) > keep:
+    while len(ctx.allreduce_queue) > keep_allreduce:
         s = ctx.allreduce_queue.pop(0)
         with trace_range(f"mfsdp2.finish_all_reduce {s.name}"):
             for g in s.groups:

@@ -231,9 +231,10 @@ class FSDPModule:
                       "reduced as zeros in mfsdp2 (same collectives on every rank)")
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """How many reductions may stay in flight after this unit issues its own (default 1:
-        issuing one finishes the oldest). Each in-flight reduction holds its own flat gradient
-        buffer from the allocator, so a larger value trades memory for overlap with backward."""
+        """How many reduction inputs may be alive at once, this unit's included (FSDP2's meaning;
+        default 1: the previous unit's reduction is finished before this unit packs its
+        gradients, and its own overlaps the next unit's backward). Each holds a flat gradient
+        buffer from the allocator, so a larger value trades memory for more overlap."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(f"mfsdp2: max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:

@@ -89,7 +89,7 @@ class FSDPState:
         self.modules: list[nn.Module] = [module]
         self.forward_to_run: set[int] = set()  # ids of the modules whose forward is still to come
         self.unshard_in_backward = True  # False: backward needs none of the weights (set_unshard_in_backward)
-        # Reductions left in flight after issuing this unit's (set_reduce_scatter_max_input_buffers).
+        # Reduction inputs alive at once, this unit's included (set_reduce_scatter_max_input_buffers).
         self.max_reduce_in_flight = 1
 
     def __repr__(self) -> str:
