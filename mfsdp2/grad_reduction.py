@@ -214,7 +214,7 @@ class GradientReduction:
                     out = self.main_grad
                 else:
                     out = allocator.allocate(("rs_out", key), layout.shard_numel, self.reduce_dtype, self.device)
-                n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, op)
+                n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, op, full.element_size())
                 scratch = allocator.allocate(("rs_recv", key), n_scratch, self.reduce_dtype, self.device) if n_scratch else None
                 handle = self.weights.reduce_scatter(full, out, op, scratch, label)
         self._pending_reduce = _PendingReduce(handle, direct, out, tuple(has_grad), key, all_reduce, replicate_op)
