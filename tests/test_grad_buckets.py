@@ -11,6 +11,8 @@ mfsdp2/grad_buckets.py).
   number of all-reduces falls by exactly the number of groups that share a bucket.
 * The mechanism without processes: a wait on a member of a bucket that is not issued yet issues
   it first, with the members packed so far.
+* A bucket whose all-reduce fails (a work that never completes) is leaked by ``reset()``, never
+  freed, and its members drop the main gradients that were its slices.
 """
 
 from __future__ import annotations
@@ -254,3 +256,53 @@ def test_plan_cuts_the_record_by_the_cap(sizes, cap, expect):
     # A group packed twice in one backward starts a new bucket.
     g = object()
     assert [len(b) for b in _plan([(g, 1), (object(), 1), (g, 1)], 100)] == [2, 1]
+
+
+# -- a bucket whose all-reduce fails is leaked, never freed (docs/design.md, buffer lifetime) ----
+def _failed_bucket(rank, ws):
+    from mfsdp2.comm import CollectiveError, CommHandle
+
+    from .test_buffer_lifetime import HungWork
+
+    mesh = init_device_mesh("cpu", (ws,))
+    model = _shard(_build(), mesh, "no_shard")
+    opt = make_opt("adamw", model.parameters())
+    for step in range(2):  # the second backward follows the plan: one bucket for every unit
+        sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH)
+    ctx = model._mfsdp2_state.ctx
+    groups = [g for m in model.modules() if hasattr(m, "_mfsdp2_state") for g in m._mfsdp2_state.groups]
+    works = []
+
+    def hung_all_reduce(t, op=None, group=None, label=""):
+        works.append(HungWork())
+        return CommHandle(work=works[-1], label=label)
+
+    for g in groups:
+        g.replicate_comm.all_reduce = hung_all_reduce
+    n = GLOBAL_BATCH // ws
+    x, y = batch(2, GLOBAL_BATCH, 12, dtype=F64)
+    loss = loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])  # releases last step's bucket
+    freed = []
+    orig_free = ctx.allocator.free
+    ctx.allocator.free = lambda key: (freed.append(key), orig_free(key))[1]
+    try:
+        loss.backward()
+        raise AssertionError("the hung bucket did not fail")
+    except CollectiveError:
+        pass
+    model.reset()
+    return {
+        "issued": len(works),
+        "freed_buckets": [k for k in freed if k[0] == "grad_bucket"],
+        "leaked": ctx.allocator.stats.leaked_buffers,
+        "main_grads": [g.main_grad is not None for g in groups],
+        "pending": [g.reduce_pending for g in groups],
+    }
+
+
+def test_failed_bucket_is_leaked_not_freed():
+    for r in run_ranks(_failed_bucket, 2):
+        assert r["issued"] == 1, r  # one bucket for the whole model
+        assert r["freed_buckets"] == [], r
+        assert r["leaked"] >= 1, r
+        assert not any(r["main_grads"]) and not any(r["pending"]), r
