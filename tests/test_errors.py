@@ -69,6 +69,7 @@ EXPECTED = {
     "E42": (ValueError, "torch optimizers need each gradient in its parameter's dtype"),
     "E43": (ValueError, "helpers handle row-sharded 1-D layouts"),
     "E44": (ValueError, "is a UninitializedParameter, a tensor subclass"),
+    "E45": (ValueError, "all-reduce bucket size must be >= 0 MiB"),
 }
 
 
@@ -174,6 +175,7 @@ def _rows_ws1(rank, ws):
 
     net = _sharded_net(mesh)
     _capture(out, "E10", lambda: net.set_prefetch_depth(-1))
+    _capture(out, "E45", lambda: net.set_all_reduce_bucket_cap_mb(-1))
     _capture(out, "E11", lambda: net.set_modules_to_forward_prefetch([nn.Linear(2, 2)]))
 
     net = _sharded_net(mesh)
