@@ -156,12 +156,7 @@ def _rebuilt(state, g, dtype: torch.dtype):
 
 def _move_grads(old, new, grads: list) -> None:
     """Converted gradients go into ``new``'s main gradient; ``old``'s is given back."""
-    alloc = old._main_grad_alloc
-    if old.main_grad is not None:
-        old.main_grad = None
-        old.main_grad_full = None
-        alloc.free(old._main_grad_key())
-        old._main_grad_alloc = None
+    alloc = old.drop_main_grad()
     if alloc is None or all(gr is None for gr in grads):
         return
     new._ensure_main_grad(alloc, zero=True)

@@ -168,6 +168,7 @@ class ParameterGroup(GradientReduction):
         self.fused_full: Optional[torch.Tensor] = None  # TE wgrad fusion: param.main_grad views into it
         self.fused_key = None  # its allocator key's suffix (the unit's reduction key)
         self._main_grad_alloc: Optional[BucketAllocator] = None
+        self._main_grad_bucket = None  # (buckets, bucket) when main_grad_full is a bucket's slice (grad_buckets)
         self.dist_params: list[nn.Parameter] = []
         self._row_shards: dict[int, RowShard] = {}  # as_dtensor's placements, built once
         self._grad_dtensors = None  # (main-grad memory key, gradient DTensors): see expose_grads
@@ -293,6 +294,16 @@ class ParameterGroup(GradientReduction):
             return one
         return (fingerprint(self.main_weight) != self._gathered_fp).any().to(one.dtype)
 
+    @property
+    def fingerprinted(self) -> bool:
+        """Persistent weights whose content is compared at each root forward (a write through
+        ``.data`` bumps no counter). Not when the module computes with the main weights' own
+        memory -- ``no_shard`` with equal main and compute dtypes: a shard group of one rank, the
+        main weights *are* the full buffer -- where such a write is what the module reads anyway
+        and nothing is re-cast or re-gathered: the fingerprint (a pass over all weights per
+        step) would buy nothing."""
+        return self.persistent and self.content_check and (self.comm.world_size > 1 or self._needs_cast)
+
     def host_changed(self) -> bool:
         """A change this rank's host knows of: a step, an announced write, a moved version counter."""
         return self.changed or self.main_version() != self.gathered_version
@@ -312,7 +323,7 @@ class ParameterGroup(GradientReduction):
         self._cast_pending = self._needs_cast  # the next gather happens because the main weights changed
         self.gathered_version = self.main_version()
         self.changed = self.agreed_stale = False
-        if self.persistent and self.content_check:
+        if self.fingerprinted:
             self._gathered_fp = fingerprint(self.main_weight)
         with torch.no_grad():
             if self.fp8 is not None:

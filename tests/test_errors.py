@@ -74,6 +74,7 @@ EXPECTED = {
     "E45": (ValueError, "a container without a forward of its own"),
     "E46": (ValueError, "shards every parameter on dim 0"),
     "E47": (InvalidShardDimError, "shards every parameter on dim 0"),
+    "E48": (ValueError, "all-reduce bucket size must be >= 0 MiB"),
 }
 
 
@@ -184,6 +185,7 @@ def _rows_ws1(rank, ws):
 
     net = _sharded_net(mesh)
     _capture(out, "E10", lambda: net.set_prefetch_depth(-1))
+    _capture(out, "E48", lambda: net.set_all_reduce_bucket_cap_mb(-1))
     _capture(out, "E11", lambda: net.set_modules_to_forward_prefetch([nn.Linear(2, 2)]))
 
     net = _sharded_net(mesh)
