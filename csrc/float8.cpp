@@ -1,6 +1,7 @@
 // float32 -> float8 quantisation (scale, clamp, round) in one pass, and the per-segment byte
-// lookup that dequantises. torch's CPU float8 casts work one element at a time; these loops
-// are branch-free integer / float arithmetic that the compiler vectorises.
+// lookup that dequantises. In torch (CPU) the quantise is three passes with a temporary
+// (multiply, clamp, cast) and the float8 -> float32 cast converts one element at a time; these
+// loops are branch-free and vectorised by the compiler.
 #include "float8.h"
 
 #include <c10/util/Exception.h>
@@ -83,7 +84,7 @@ void quantise_fp8(const at::Tensor& src, const at::Tensor& dst, const at::Tensor
   check_flat(src, at::kFloat, "quantise_fp8", "src");
   check_flat(dst, at::kByte, "quantise_fp8", "dst");
   TORCH_CHECK(dst.numel() == src.numel(), "quantise_fp8: dst has ", dst.numel(), " elements, src ", src.numel());
-  const SegmentTable t = make_table(offsets, lengths, src.numel(), true, "quantise_fp8");
+  const SegmentTable t = make_table(offsets, lengths, src.numel(), "quantise_fp8");
   at::Tensor sc = scales.to(at::kFloat).contiguous();
   TORCH_CHECK(sc.device().is_cpu() && sc.numel() == t.size(), "quantise_fp8: one scale per segment expected (",
               t.size(), "), got ", sc.numel());
@@ -114,7 +115,7 @@ void lookup_bytes(const at::Tensor& src, const at::Tensor& dst, const at::Tensor
   TORCH_CHECK(dst.device().is_cpu() && dst.dim() == 1 && dst.is_contiguous(),
               "lookup_bytes: dst must be a contiguous 1-D CPU tensor");
   TORCH_CHECK(dst.numel() == src.numel(), "lookup_bytes: dst has ", dst.numel(), " elements, src ", src.numel());
-  const SegmentTable t = make_table(offsets, lengths, src.numel(), true, "lookup_bytes");
+  const SegmentTable t = make_table(offsets, lengths, src.numel(), "lookup_bytes");
   TORCH_CHECK(tables.device().is_cpu() && tables.is_contiguous() && tables.dim() == 2 &&
                   tables.size(0) == t.size() && tables.size(1) == 256 && tables.scalar_type() == dst.scalar_type(),
               "lookup_bytes: tables must be a contiguous [segments, 256] CPU tensor of dst's dtype (",

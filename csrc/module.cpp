@@ -3,7 +3,6 @@
 #include <torch/extension.h>
 
 #include "float8.h"
-#include "reductions.h"
 
 #ifndef MFSDP2_TORCH_VERSION
 #error "build through setup.py: it defines MFSDP2_TORCH_VERSION, the torch this module is built against"
@@ -13,17 +12,13 @@ namespace py = pybind11;
 
 // Bumped whenever a kernel's signature or meaning changes: mfsdp2/native.py loads a module only
 // if it reports the API it expects (a stale build from older sources is not used).
-constexpr int kApiVersion = 1;
+constexpr int kApiVersion = 2;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mfsdp2 native kernels over flat buffers and their segment tables (CPU)";
   m.def("api_version", [] { return kApiVersion; }, "The kernels' API version (see mfsdp2/native.py).");
   m.def("torch_version", [] { return std::string(MFSDP2_TORCH_VERSION); },
         "The torch version this module was built against.");
-  m.def("segment_sumsq", &mfsdp2::segment_sumsq, py::arg("x"), py::arg("offsets"), py::arg("lengths"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("segment_amax", &mfsdp2::segment_amax, py::arg("x"), py::arg("offsets"), py::arg("lengths"),
-        py::call_guard<py::gil_scoped_release>());
   m.def("quantise_fp8", &mfsdp2::quantise_fp8, py::arg("src"), py::arg("dst"), py::arg("offsets"),
         py::arg("lengths"), py::arg("scales"), py::arg("max"), py::arg("e5m2"),
         py::call_guard<py::gil_scoped_release>());

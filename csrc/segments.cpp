@@ -2,10 +2,12 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 namespace mfsdp2 {
 
 SegmentTable make_table(const at::Tensor& offsets, const at::Tensor& lengths, int64_t numel,
-                        bool disjoint, const char* what) {
+                        const char* what) {
   TORCH_CHECK(offsets.dim() == 1 && lengths.dim() == 1 && offsets.numel() == lengths.numel(),
               what, ": offsets and lengths must be 1-D tensors of one length, got ", offsets.sizes(),
               " and ", lengths.sizes());
@@ -17,7 +19,6 @@ SegmentTable make_table(const at::Tensor& offsets, const at::Tensor& lengths, in
   SegmentTable t;
   t.offsets.assign(o.data_ptr<int64_t>(), o.data_ptr<int64_t>() + n);
   t.lengths.assign(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + n);
-  t.first_item.resize(n + 1);
   int64_t end_prev = 0;
   for (int64_t s = 0; s < n; ++s) {
     const int64_t off = t.offsets[s], len = t.lengths[s];
@@ -26,19 +27,17 @@ SegmentTable make_table(const at::Tensor& offsets, const at::Tensor& lengths, in
     // would start, which may lie past the shard's end).
     TORCH_CHECK(len == 0 || (off >= 0 && off <= numel && len <= numel - off), what, ": segment ", s,
                 " (offset ", off, ", length ", len, ") lies outside the buffer of ", numel, " elements");
-    if (disjoint && len > 0) {
+    if (len > 0) {
       TORCH_CHECK(off >= end_prev, what, ": segment ", s, " (offset ", off,
                   ") overlaps or precedes the previous one (ending at ", end_prev,
                   "); segments must be sorted and disjoint");
       end_prev = off + len;
     }
-    t.first_item[s] = static_cast<int64_t>(t.items.size());
     for (int64_t b = off; b < off + len; b += kItem) {
       t.items.push_back({s, b, std::min(b + kItem, off + len)});
     }
     t.total += len;
   }
-  t.first_item[n] = static_cast<int64_t>(t.items.size());
   return t;
 }
 

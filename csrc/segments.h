@@ -1,10 +1,9 @@
-// A flat buffer's segment table and its split into fixed-size work items.
+// A flat buffer's segment table and its split into work items for the threads.
 //
-// Why fixed-size items: a reduction over a segment is split into items of kItem elements counted
-// from the segment's start, each item is reduced alone and the items of a segment are combined
-// in order. The split depends on the table only, never on the number of threads, so every
-// result is the same whatever at::get_num_threads() says (bit for bit, also for the float64
-// sums of squares), and sizes that do not divide the chunking are ordinary tails.
+// Each segment is cut into items of kItem elements counted from its start (the last one
+// shorter), and the threads (at::parallel_for, torch's thread count) take whole items. The split
+// depends on the table only, never on the number of threads, and every kernel is elementwise
+// within an item, so any thread count writes the same bytes.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,7 +13,7 @@
 
 namespace mfsdp2 {
 
-// Elements per work item: a multiple of every lane count used by the kernels (8, 16).
+// Elements per work item (64 KiB of float32): large enough that a thread's start-up is noise.
 constexpr int64_t kItem = 16384;
 
 struct Item {
@@ -26,18 +25,17 @@ struct Item {
 struct SegmentTable {
   std::vector<int64_t> offsets;
   std::vector<int64_t> lengths;
-  std::vector<Item> items;            // in segment order, then position order
-  std::vector<int64_t> first_item;    // items of segment s: [first_item[s], first_item[s + 1])
-  int64_t total = 0;                  // elements covered by the segments
+  std::vector<Item> items;  // in segment order, then position order
+  int64_t total = 0;        // elements covered by the segments
 
   int64_t size() const { return static_cast<int64_t>(offsets.size()); }
 };
 
 // Reads and checks ``offsets`` / ``lengths`` (1-D int64 CPU tensors of one length) against a
-// buffer of ``numel`` elements (an empty segment's offset is ignored). ``disjoint``: the segments must also be sorted and not overlap
-// (kernels that write every position of the buffer need that). Errors name ``what``.
+// buffer of ``numel`` elements: non-empty segments must lie inside it, sorted and disjoint
+// (threads write them); an empty segment's offset is ignored. Errors name ``what``.
 SegmentTable make_table(const at::Tensor& offsets, const at::Tensor& lengths, int64_t numel,
-                        bool disjoint, const char* what);
+                        const char* what);
 
 // Runs ``fn(item_index)`` over every item, in parallel (at::parallel_for, torch's thread count)
 // when the table covers enough elements to be worth waking threads.

@@ -3,7 +3,7 @@
 // and vectorised by the compiler for each; the dynamic loader picks the clone for the CPU it
 // runs on, so one binary runs on any x86-64 and uses the widest vectors there. (GCC 12's
 // generic vector types are lowered before cloning and lose their float comparisons to scalar
-// code, hence loops.) No reassociation is involved (fixed lanes, no -ffast-math) and the build
+// code, hence loops.) No reassociation is involved (no -ffast-math) and the build
 // uses -ffp-contract=off, so every clone computes the same bits.
 #pragma once
 

@@ -68,13 +68,16 @@ class Float8Gather:
 
     def local_amax(self) -> torch.Tensor:
         """Max |w| over this rank's rows of each parameter (0 for an empty piece), computed from
-        the current main shard on the device at every call (the root's forward)."""
+        the current main shard on the device at every call (the root's forward). ``aminmax``
+        reads the piece once with no temporary (``abs().max()`` writes an |w| copy first); the
+        larger magnitude of its two ends is exactly max |w|, NaN included."""
         g = self.group
         with torch.no_grad():
             for i in range(len(g.layout.slots)):
                 piece = g.weights.piece_view(g.main_weight, i)
                 if piece.numel():
-                    self._local_amax[i] = piece.abs().max()
+                    lo, hi = torch.aminmax(piece)
+                    torch.maximum(lo.abs(), hi.abs(), out=self._local_amax[i])
                 else:
                     self._local_amax[i] = 0.0
         return self._local_amax

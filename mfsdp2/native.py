@@ -2,11 +2,13 @@
 pure-PyTorch reference that runs when the extension is absent, cannot load, is disabled, or
 is handed tensors it does not take (another device or dtype).
 
-Why: a flat shard is one tensor whose segments are parameters, and the work done on it per
-parameter -- the FP8 all-gather's float8 quantise and dequantise -- goes through torch's CPU
-float8 casts, which convert one element at a time (an 8M-element float8 -> float32 cast takes
-~25 ms on one core, the same bf16 -> float32 cast ~2 ms). The kernels do each job in one
-vectorised pass over the buffer, in one call for all segments.
+Why: a flat shard is one tensor whose segments are parameters, and the FP8 all-gather's work on
+it was a few torch ops per parameter: the quantise a multiply, a clamp and a float8 cast (three
+passes and a temporary), the dequantise a float8 -> float32 cast that torch's CPU build converts
+one element at a time (~25 ms for 8M elements on one core; bf16 -> float32: ~2 ms), a divide
+and a copy. Each kernel does its job in one vectorised pass over the buffer, one call for all
+segments (``benchmarks/native_kernels.py``: 3-5x faster than the best PyTorch way on the
+benchmark models). Kernels that did not beat PyTorch by 1.5x were not kept (docs/design.md).
 
 The extension is optional. ``make demo`` / ``make test`` build it in place after installing the
 package (``setup.py build_ext --inplace``); ``MFSDP2_NATIVE=0`` in the environment makes every
@@ -36,7 +38,7 @@ __all__ = ["Segments", "available", "reference_only", "quantise_fp8", "dequantis
 logger = logging.getLogger(__name__)
 
 ENV = "MFSDP2_NATIVE"  # "0": never load the extension
-API_VERSION = 1  # csrc/module.cpp's kApiVersion: a build from other sources is not used
+API_VERSION = 2  # csrc/module.cpp's kApiVersion: a build from other sources is not used
 
 
 def module_name(version: str = torch.__version__) -> str:
@@ -198,35 +200,3 @@ def dequantise_fp8(src: torch.Tensor, dst: torch.Tensor, segs: Segments, scales:
         if n:
             dst[o:o + n].copy_(q[o:o + n].to(torch.float32).div_(scales[i]))
 
-
-# -- per-segment reductions -------------------------------------------------------------------
-
-
-def segment_amax(x: torch.Tensor, segs: Segments) -> torch.Tensor:
-    """``max |x|`` over each segment (float32; 0 for an empty one, NaN where a NaN is)."""
-    mod = _native_for(x) if x.dtype == torch.float32 else None
-    if mod is not None:
-        off, ln = segs.tensors()
-        return mod.segment_amax(x, off, ln)
-    out = []
-    for o, n in zip(segs.offsets, segs.lengths):
-        if n:
-            lo, hi = torch.aminmax(x[o:o + n])
-            out.append(torch.maximum(lo.abs(), hi.abs()).float())
-        else:
-            out.append(x.new_zeros((), dtype=torch.float32))
-    return torch.stack(out) if out else x.new_zeros((0,), dtype=torch.float32)
-
-
-def segment_sumsq(x: torch.Tensor, segs: Segments) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum of x^2 in float64, any non-finite value)`` for each segment."""
-    mod = _native_for(x) if x.dtype in (torch.float32, torch.bfloat16) else None
-    if mod is not None:
-        off, ln = segs.tensors()
-        return mod.segment_sumsq(x, off, ln)
-    sums = [x[o:o + n].double().pow(2).sum() if n else x.new_zeros((), dtype=torch.float64)
-            for o, n in zip(segs.offsets, segs.lengths)]
-    s = torch.stack(sums) if sums else x.new_zeros((0,), dtype=torch.float64)
-    bad = torch.stack([~torch.isfinite(x[o:o + n]).all() if n else torch.zeros((), dtype=torch.bool, device=x.device)
-                       for o, n in zip(segs.offsets, segs.lengths)]) if sums else s.bool()
-    return s, bad
