@@ -159,7 +159,8 @@ def main() -> None:
     if not native.available():
         sys.exit("the native kernels are not built (python setup.py build_ext --inplace)")
     out = {"machine": C.machine_info(), "date": C.now_iso(), "threads": args.threads, "rounds": args.rounds,
-           "ship_threshold": SHIP, "cases": {}}
+           "ship_threshold": SHIP, "dequantise_avx512_vbmi": native.has_vbmi(), "cases": {}}
+    print(f"dequantise path: {'AVX-512 VBMI byte permutes' if native.has_vbmi() else 'vector gathers'}")
     for name in args.models:
         jobs = _jobs(name)
         res = {}

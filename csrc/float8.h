@@ -16,7 +16,12 @@ void quantise_fp8(const at::Tensor& src, const at::Tensor& dst, const at::Tensor
 // 256-entry table per segment, tables and dst of one 2- or 4-byte dtype. Dequantising float8
 // bytes is this lookup with tables[s][b] = (float8 b as float32) / scales[s] in the compute
 // dtype, which the caller builds with torch (so the values are torch's by construction).
+// ``allow_vbmi``: 2-byte outputs use the AVX-512 VBMI byte-permute path where the CPU has it
+// (tests turn it off to check the other path on such CPUs).
 void lookup_bytes(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& offsets,
-                  const at::Tensor& lengths, const at::Tensor& tables);
+                  const at::Tensor& lengths, const at::Tensor& tables, bool allow_vbmi);
+
+// Whether this CPU runs lookup_bytes' AVX-512 VBMI path.
+bool has_vbmi();
 
 }  // namespace mfsdp2

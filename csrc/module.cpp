@@ -12,7 +12,7 @@ namespace py = pybind11;
 
 // Bumped whenever a kernel's signature or meaning changes: mfsdp2/native.py loads a module only
 // if it reports the API it expects (a stale build from older sources is not used).
-constexpr int kApiVersion = 2;
+constexpr int kApiVersion = 3;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mfsdp2 native kernels over flat buffers and their segment tables (CPU)";
@@ -23,5 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lengths"), py::arg("scales"), py::arg("max"), py::arg("e5m2"),
         py::call_guard<py::gil_scoped_release>());
   m.def("lookup_bytes", &mfsdp2::lookup_bytes, py::arg("src"), py::arg("dst"), py::arg("offsets"),
-        py::arg("lengths"), py::arg("tables"), py::call_guard<py::gil_scoped_release>());
+        py::arg("lengths"), py::arg("tables"), py::arg("allow_vbmi") = true,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("has_vbmi", &mfsdp2::has_vbmi, "Whether lookup_bytes' AVX-512 VBMI path runs on this CPU.");
 }

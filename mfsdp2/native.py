@@ -33,12 +33,12 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["Segments", "available", "reference_only", "quantise_fp8", "dequantise_fp8", "ENV"]
+__all__ = ["Segments", "available", "has_vbmi", "reference_only", "quantise_fp8", "dequantise_fp8", "ENV"]
 
 logger = logging.getLogger(__name__)
 
 ENV = "MFSDP2_NATIVE"  # "0": never load the extension
-API_VERSION = 2  # csrc/module.cpp's kApiVersion: a build from other sources is not used
+API_VERSION = 3  # csrc/module.cpp's kApiVersion: a build from other sources is not used
 
 
 def module_name(version: str = torch.__version__) -> str:
@@ -49,6 +49,7 @@ def module_name(version: str = torch.__version__) -> str:
 _module = None
 _loaded = False
 _enabled = True
+_allow_vbmi = True  # tests switch the dequantise's AVX-512 VBMI path off to check the other one
 
 
 def _load():
@@ -89,6 +90,11 @@ def _load():
 def available() -> bool:
     """Whether the native kernels are loaded and enabled."""
     return _enabled and _load() is not None
+
+
+def has_vbmi() -> bool:
+    """Whether the dequantise runs its AVX-512 VBMI path on this CPU (benchmarks record it)."""
+    return available() and _module.has_vbmi()
 
 
 @contextlib.contextmanager
@@ -188,12 +194,13 @@ def dequantise_fp8(src: torch.Tensor, dst: torch.Tensor, segs: Segments, scales:
 
     Native: the float8 byte has 256 values, so the reference's result is one of 256 per
     segment; torch computes those tables (float32 values / scale, cast to ``dst``'s dtype: the
-    reference's operations) and the kernel looks each byte up."""
+    reference's operations) and the kernel looks each byte up (with AVX-512 VBMI byte permutes
+    where the CPU has them, vector gathers otherwise)."""
     mod = _native_for(src, dst) if src.dtype == torch.uint8 and dst.element_size() in (2, 4) else None
     if mod is not None and scales.device.type == "cpu" and len(segs):
         tables = (_float8_values(dtype, src.device)[None, :] / scales.to(torch.float32)[:, None]).to(dst.dtype)
         off, ln = segs.tensors()
-        mod.lookup_bytes(src, dst, off, ln, tables.contiguous())
+        mod.lookup_bytes(src, dst, off, ln, tables.contiguous(), _allow_vbmi)
         return
     q = src.view(dtype)
     for i, (o, n) in enumerate(zip(segs.offsets, segs.lengths)):

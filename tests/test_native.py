@@ -108,8 +108,10 @@ def test_quantise_rounds_every_case_like_torch(dtype):
 @needs_native
 @settings(max_examples=100, deadline=None)
 @given(table=_tables(), seed=st.integers(0, 2**31), dtype=st.sampled_from(FP8),
-       out=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), data=st.data())
-def test_dequantise_matches_reference(table, seed, dtype, out, data):
+       out=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), vbmi=st.booleans(), data=st.data())
+def test_dequantise_matches_reference(table, seed, dtype, out, vbmi, data):
+    """Both native paths (AVX-512 VBMI byte permutes where this CPU has them, gathers) against
+    the reference."""
     segs, numel = table
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 256, (numel,), generator=g, dtype=torch.uint8)
@@ -123,7 +125,11 @@ def test_dequantise_matches_reference(table, seed, dtype, out, data):
             with native.reference_only():
                 native.dequantise_fp8(q, dst, segs, scales, dtype)
         else:
-            native.dequantise_fp8(q, dst, segs, scales, dtype)
+            was, native._allow_vbmi = native._allow_vbmi, vbmi
+            try:
+                native.dequantise_fp8(q, dst, segs, scales, dtype)
+            finally:
+                native._allow_vbmi = was
         return dst.view(ints)
 
     got, want = run(False), run(True)
@@ -166,7 +172,7 @@ def test_kernels_refuse_bad_tables_by_name():
         mod.quantise_fp8(x, q, torch.tensor([5]), torch.tensor([6]), torch.ones(1), 448.0, False)
     with pytest.raises(RuntimeError, match="lookup_bytes: segment 1 .* sorted and disjoint"):
         mod.lookup_bytes(q, torch.zeros(10, dtype=torch.bfloat16), torch.tensor([0, 2]), torch.tensor([4, 2]),
-                         torch.zeros(2, 256, dtype=torch.bfloat16))
+                         torch.zeros(2, 256, dtype=torch.bfloat16), True)
     with pytest.raises(RuntimeError, match="one scale per segment"):
         mod.quantise_fp8(x, q, torch.tensor([0]), torch.tensor([4]), torch.ones(2), 448.0, False)
 
