@@ -1,10 +1,11 @@
-# Targets: venv, demo, test, bench-quick.
+# Targets: venv, native, demo, test, bench-quick, bench-record.
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+NATIVE := $(VENV)/.native-built
 
-.PHONY: venv demo test bench-quick bench-record
+.PHONY: venv native demo test bench-quick bench-record
 
 venv: $(STAMP)
 
@@ -14,20 +15,29 @@ $(STAMP): setup.py
 	$(PY) -m pip install -e '.[test]'
 	@touch $(STAMP)
 
-demo: venv
+# The optional native kernels (csrc/), built in place against the venv's torch once it is
+# installed (pip's isolated build has no torch, so the install above leaves them out). A failed
+# build is not an error: mfsdp2 then runs the PyTorch reference of each kernel (mfsdp2/native.py).
+native: $(NATIVE)
+
+$(NATIVE): $(STAMP) $(wildcard csrc/*)
+	@if $(PY) setup.py -q build_ext --inplace; then touch $(NATIVE); \
+	else echo "mfsdp2: native kernels not built; the PyTorch reference paths will be used"; fi
+
+demo: venv native
 	$(VENV)/bin/torchrun --nproc-per-node 2 -m mfsdp2.examples.demo
 
-test: venv
+test: venv native
 	$(PY) -m pytest -q tests
 
-bench-quick: venv
+bench-quick: venv native
 	$(PY) benchmarks/compare_fsdp2.py --quick
 
 # Every figure of docs/benchmarks.md, recorded into benchmarks/results/ (run on a quiet machine at
 # a clean commit; ~1.5 h on 2 cores). The FSDP2 tuning run goes first: its winner is "FSDP2 tuned"
 # for the others. Render the tables with benchmarks/report.py.
 R := benchmarks/results
-bench-record: venv
+bench-record: venv native
 	$(PY) benchmarks/fsdp2_tuning.py --json $(R)/fsdp2_tuning.json
 	$(PY) benchmarks/compare_fsdp2.py --json $(R)/compare_fsdp2.json
 	$(PY) benchmarks/compare_fsdp2.py --quick --json $(R)/compare_fsdp2_quick.json
@@ -36,3 +46,6 @@ bench-record: venv
 	$(PY) benchmarks/allocators.py --json $(R)/allocators_mlp.json
 	$(PY) benchmarks/allocators.py --model llama --json $(R)/allocators_llama.json
 	$(PY) benchmarks/profile_step.py --model tiny --framework all --json $(R)/profile_tiny.json
+	$(PY) benchmarks/native_kernels.py --json $(R)/native_kernels.json
+	$(PY) benchmarks/optimizer_step.py --json $(R)/optimizer_step.json
+	$(PY) benchmarks/clip_grad.py --json $(R)/clip_grad.json
