@@ -69,7 +69,7 @@ EXPECTED = {
     "E42": (ValueError, "torch optimizers need each gradient in its parameter's dtype"),
     "E43": (ValueError, "helpers handle row-sharded 1-D layouts"),
     "E44": (ValueError, "is a UninitializedParameter, a tensor subclass"),
-    "E45": (RuntimeError, "are still on the meta device (the model was built under torch.device('meta')); give them memory first"),
+    "E50": (RuntimeError, "are still on the meta device (the model was built under torch.device('meta')); give them memory first"),
 }
 
 
@@ -118,7 +118,7 @@ def _rows_ws1(rank, ws):
         meta = nn.Linear(3, 3)
     fully_shard(meta, mesh=mesh)  # fine: shapes are all it needs; values come from materialize()
     _capture(out, "E04", lambda: meta(torch.zeros(1, 3)))
-    _capture(out, "E45", lambda: meta.load_state_dict({"weight": torch.ones(3, 3), "bias": torch.ones(3)}))
+    _capture(out, "E50", lambda: meta.load_state_dict({"weight": torch.ones(3, 3), "bias": torch.ones(3)}))
 
     with torch.device("meta"):
         mixed = nn.Sequential(nn.Linear(3, 3))
