@@ -49,3 +49,6 @@ bench-record: venv native
 	$(PY) benchmarks/native_kernels.py --json $(R)/native_kernels.json
 	$(PY) benchmarks/optimizer_step.py --json $(R)/optimizer_step.json
 	$(PY) benchmarks/clip_grad.py --json $(R)/clip_grad.json
+	$(PY) benchmarks/scale.py --json $(R)/scale.json
+	$(PY) benchmarks/alpha_beta.py --json $(R)/alpha_beta.json
+	$(PY) benchmarks/step_model.py --json $(R)/step_model.json

@@ -55,11 +55,12 @@ class Float8Gather:
         self.dtype = dtype
         self.max = torch.finfo(dtype).max
         n = len(group.layout.slots)
-        self.bytes = DataParallelBuffer(group.layout, torch.uint8, group.device, group.comm)
+        device = group.main_weight.device  # meta until a meta-built group is allocated
+        self.bytes = DataParallelBuffer(group.layout, torch.uint8, device, group.comm)
         self.bytes.free_unsharded()
-        self.scales = torch.ones(n, dtype=torch.float32, device=group.device)
+        self.scales = torch.ones(n, dtype=torch.float32, device=device)
         self.agreed = False  # scales agreed by some all-reduce yet (the root's forward, or a first unshard)
-        self._local_amax = torch.zeros(n, dtype=torch.float32, device=group.device)
+        self._local_amax = torch.zeros(n, dtype=torch.float32, device=device)
         self.quantisations = 0  # tests: one per gather
         w = group.weights
         pieces = [group.layout.piece(i, w.rank) for i in range(n)]

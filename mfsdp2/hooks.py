@@ -149,7 +149,8 @@ def lazy_init(state: FSDPState) -> None:
             raise RuntimeError(
                 f"mfsdp2: the parameters of {meta} are still on the meta device (the model was built "
                 "under torch.device('meta')); call mfsdp2.materialize(model) after fully_shard and "
-                "before the first forward and before building the optimizer"
+                "before the first forward (or FSDP2's recipe: model.to_empty(device=...), then "
+                "reset_parameters() on each module)"
             )
         if s is not state and s.allocator_spec is not None and s.allocator_spec is not state.allocator_spec:
             raise ValueError(

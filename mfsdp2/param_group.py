@@ -55,7 +55,7 @@ from .weight_watch import fingerprint, watch
 from .te import fuses_wgrad  # TE's attribute protocol; TE itself is never imported
 from .tensor_parallel import TPSpec, tp_dp_mesh, tp_dtensor
 
-__all__ = ["ParamInfo", "GroupConfig", "ParameterGroup"]
+__all__ = ["ParamInfo", "GroupConfig", "ParameterGroup", "swap_param"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,19 @@ _LIVE = weakref.WeakSet()  # every ParameterGroup alive in the process (clip_gra
 def live_groups() -> list["ParameterGroup"]:
     """The parameter groups alive in this process (a parameter's group is found among them)."""
     return list(_LIVE)
+
+
+def swap_param(old: nn.Parameter, new: nn.Parameter) -> None:
+    """Give the parameter object ``old`` (held by modules, optimizers, user code) ``new``'s
+    contents, keeping its identity, its attributes and those of its local tensor (DCP's
+    write-nothing mark of an empty piece)."""
+    attrs = dict(old.__dict__)
+    if isinstance(old, DTensor) and isinstance(new, DTensor):
+        new._local_tensor.__dict__.update(old._local_tensor.__dict__)
+    old.grad = None  # a .grad reference blocks swap_tensors
+    torch.utils.swap_tensors(old, new)
+    old.__dict__.clear()
+    old.__dict__.update(attrs)
 
 
 class ParameterGroup(GradientReduction):
@@ -133,18 +146,14 @@ class ParameterGroup(GradientReduction):
         # ``layout``: keep an existing group's rows (a dtype conversion after fully_shard, see conversion.py).
         self.layout = layout or plan_layout([tuple(p.shape) for p in params], comm.world_size, align=max(16 // itemsize, 1))
 
-        S = self.layout.shard_numel
-        same = self.main_dtype == self.compute_dtype
         self.persistent = not config.strategy.shards_params
-        if self.persistent:
-            # Full model weights for the buffer's life; the main weights are its local slice
-            # when the dtypes match (one copy of this rank's rows, not two).
-            self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, comm, persistent=True)
-            self.main_weight = self.weights.shard if same else torch.zeros(S, dtype=self.main_dtype, device=device)
-        else:
-            self.main_weight = torch.zeros(S, dtype=self.main_dtype, device=device)
-            self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, comm, shard=self.main_weight)
-        self._needs_cast = not same and self.persistent  # ZeRO-3 casts inside each gather instead
+        self._needs_cast = self.main_dtype != self.compute_dtype and self.persistent  # ZeRO-3 casts inside each gather instead
+        # Built under torch.device("meta"): the layout needs shapes only. Like torch FSDP2, the
+        # per-rank buffers (and so the DTensor parameters) stay on the meta device -- no bytes
+        # -- until mfsdp2.materialize(model) or model.to_empty(device=...) allocates them
+        # (:meth:`allocate`); the values come from the init that follows.
+        self.needs_init = params[0].is_meta
+        self._build_buffers(torch.device("meta") if self.needs_init else device)
         # Persistent weights: the ranks' agreed answer to "did the weights change on any rank since
         # the last gather" (set at the root's forward, see hooks._agree_on_gathers).
         self.agreed_stale = False
@@ -155,9 +164,6 @@ class ParameterGroup(GradientReduction):
         # through ``.data``; costs one host read per forward). Off: host signals only, agreed on
         # the CPU (``FSDPModule.set_detect_data_writes``).
         self.content_check = True
-        self.fp8 = None
-        if config.fp8:
-            self.fp8 = Float8Gather(self, config.fp8)
 
         self._cast_pending = False  # the model shard lags the main weights: cast at the next gather
         self.casts = 0  # main -> model casts into a persistent buffer (tests: once per optimizer step)
@@ -182,9 +188,6 @@ class ParameterGroup(GradientReduction):
         # Which parameters had a local gradient in this backward's reductions (see expose_grads).
         self.local_grad_flags = [False] * len(params)
 
-        # Built under torch.device("meta"): the layout needs shapes only; the values come from
-        # mfsdp2.materialize(model), one module at a time.
-        self.needs_init = params[0].is_meta
         with torch.no_grad():
             for i, p in enumerate(params if not self.needs_init else []):
                 piece = self.weights.piece_view(self.main_weight, i)
@@ -197,6 +200,44 @@ class ParameterGroup(GradientReduction):
         self.weights.free_unsharded()
         self.refresh_model_shard()
         watch(self)
+
+    # -- memory ------------------------------------------------------------------------------
+    def _build_buffers(self, device: torch.device) -> None:
+        """The main-weight shard, the model-weight buffer and FP8's bytes, on ``device`` (meta:
+        shapes only)."""
+        S = self.layout.shard_numel
+        if self.persistent:
+            # Full model weights for the buffer's life; the main weights are its local slice
+            # when the dtypes match (one copy of this rank's rows, not two).
+            self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, self.comm, persistent=True)
+            same = self.main_dtype == self.compute_dtype
+            self.main_weight = self.weights.shard if same else torch.zeros(S, dtype=self.main_dtype, device=device)
+        else:
+            self.main_weight = torch.zeros(S, dtype=self.main_dtype, device=device)
+            self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, self.comm, shard=self.main_weight)
+        self.fp8 = Float8Gather(self, self.config.fp8) if self.config.fp8 else None
+
+    @property
+    def allocated(self) -> bool:
+        """False while the group's buffers are on the meta device (a model built there)."""
+        return not self.main_weight.is_meta
+
+    def allocate(self) -> None:
+        """Give a group built on the meta device its per-rank memory on the mesh's device (zeros),
+        called by ``mfsdp2.materialize`` and ``model.to_empty``. The DTensor parameter objects keep
+        their identity (an optimizer built before holds them) and get views of the new shard."""
+        if self.allocated:
+            return
+        self._build_buffers(self.device)
+        views = self.weights.param_views()
+        for i, dp in enumerate(self.dist_params):
+            local = self.weights.piece_view(self.main_weight, i)
+            swap_param(dp, nn.Parameter(self.as_dtensor(local, i, dp.shape), requires_grad=dp.requires_grad))
+            spec = self.tp_specs[i]
+            unsharded = tp_dtensor(views[i], spec) if spec is not None else views[i]
+            self.unsharded_params[i] = nn.Parameter(unsharded, requires_grad=self.unsharded_params[i].requires_grad)
+        self.weights.free_unsharded()
+        self.refresh_model_shard()
 
     # -- parameters ---------------------------------------------------------------------------
     def _make_params(self, params: list[nn.Parameter]) -> None:

@@ -75,6 +75,7 @@ EXPECTED = {
     "E46": (ValueError, "shards every parameter on dim 0"),
     "E47": (InvalidShardDimError, "shards every parameter on dim 0"),
     "E48": (ValueError, "all-reduce bucket size must be >= 0 MiB"),
+    "E50": (RuntimeError, "are still on the meta device (the model was built under torch.device('meta')); give them memory first"),
 }
 
 
@@ -123,6 +124,7 @@ def _rows_ws1(rank, ws):
         meta = nn.Linear(3, 3)
     fully_shard(meta, mesh=mesh)  # fine: shapes are all it needs; values come from materialize()
     _capture(out, "E04", lambda: meta(torch.zeros(1, 3)))
+    _capture(out, "E50", lambda: meta.load_state_dict({"weight": torch.ones(3, 3), "bias": torch.ones(3)}))
 
     with torch.device("meta"):
         mixed = nn.Sequential(nn.Linear(3, 3))
