@@ -1,4 +1,37 @@
+import glob
+import os
+import re
+
 from setuptools import find_packages, setup
+
+# The native kernels (csrc/) build against the torch that is already installed: pip's isolated
+# build environment has no torch, and a build-time requirement on torch would make pip download
+# one (a multi-GB CUDA build). So there the package installs without them, and the Makefile
+# builds them in place afterwards with the venv's python (`setup.py build_ext --inplace`), which
+# imports the installed torch. MFSDP2_NATIVE=0 skips them. Without them every kernel runs its
+# pure-PyTorch reference (mfsdp2/native.py).
+ext_modules, cmdclass = [], {}
+try:
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError:
+    torch = None
+if torch is not None and os.environ.get("MFSDP2_NATIVE", "1") != "0":
+    # The module's name carries the torch version it is built against (mfsdp2/native.py looks
+    # for its own torch's name only): a build for one torch is never loaded by another.
+    tag = re.sub(r"[^0-9A-Za-z]", "_", torch.__version__)
+    ext_modules = [
+        CppExtension(
+            f"mfsdp2._native_torch_{tag}",
+            sorted(glob.glob("csrc/*.cpp")),
+            # No -march: the binary runs on any x86-64; csrc/simd.h picks vector widths at run
+            # time. -ffp-contract=off: no fused multiply-adds, so results do not depend on them.
+            extra_compile_args=["-O3", "-g0", "-fopenmp", "-ffp-contract=off", "-Wno-psabi",
+                                f'-DMFSDP2_TORCH_VERSION="{torch.__version__}"'],
+            extra_link_args=["-fopenmp"],
+        )
+    ]
+    cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=False)}
 
 setup(
     name="mfsdp2",
@@ -6,6 +39,8 @@ setup(
     description="A from-scratch FSDP2-style per-module sharding runtime for PyTorch",
     python_requires=">=3.11",
     packages=find_packages(exclude=["tests", "tests.*", "benchmarks", "benchmarks.*"]),
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
     # torch is pinned exactly: on the project's machines pip takes the CPU wheel of
     # 2.13.0 that lies on disk; an unpinned torch would pull a multi-GB CUDA build.
     install_requires=["torch==2.13.0", "nvtx", "numpy"],

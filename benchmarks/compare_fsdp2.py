@@ -6,10 +6,13 @@ For every case (model x config) each rank builds the same seeded model twice, sh
 ``mfsdp2.fully_shard`` and one with ``torch.distributed.fsdp.fully_shard`` (every block, then the
 root), and trains both with AdamW on the same batches. The timed phase runs rounds of
 
-    mfsdp2 step | FSDP2 step | compute-only step | comm-only replay
+    mfsdp2 step | FSDP2 default step | FSDP2 tuned step | compute-only step | comm-only replay
 
-(reversed every other round, a barrier before each item) so that the machine's drift hits all four
-alike. Per framework it reports the median step (max over ranks) with p10/p90, samples or tokens
+(reversed every other round, a barrier before each item) so that the machine's drift hits all five
+alike. torch FSDP2 runs twice: as shipped (its defaults) and tuned (``_common.FSDP2_TUNED``: the
+fastest configuration its API offers on this backend, chosen by ``benchmarks/fsdp2_tuning.py``;
+on CPU async unshard with explicit forward / backward prefetch). Ratios are reported against both;
+the tuned one is the headline. Per framework it reports the median step (max over ranks) with p10/p90, samples or tokens
 per second, bytes and calls of collectives per step (counted by wrapping ``torch.distributed``'s
 collective functions before the models are built), and in a separate memory phase (each framework
 alone, fresh model, after one warm-up step) the peak tensor memory per rank and the peak RSS.
@@ -19,6 +22,9 @@ alone, fresh model, after one warm-up step) the peak tensor memory per rank and 
   same time, as they do in training.
 * comm-only: mfsdp2's collectives of one step (recorded after warm-up: kinds, sizes, dtypes, order)
   re-issued blocking, with no compute.
+* wire bytes: the full-buffer convention for both (mfsdp2's point-to-point reduce-scatter sends are
+  converted back to the buffer they reduce, ``_common.wire_summary``), plus the ring estimate of
+  bytes each rank sends.
 * peak tensor memory: the same tool for both frameworks -- torch's ``FSDPMemTracker`` for FSDP2 and
   its base ``MemTracker`` for mfsdp2 (mfsdp2's shards and allocator caches registered as external
   tensors) -- over two steady-state steps; everything live counts (shards, gathered weights,
@@ -59,6 +65,7 @@ QUICK_CASES = [("mlp", "fp32")]
 # Timed steps per framework. llama/bf16 gets 3: bf16 GEMMs on a CPU without AVX512-BF16 run ~17x
 # slower than fp32 at these shapes (~10 s of compute per step), so the case is compute-bound anyway.
 DEFAULT_STEPS = {"mlp": 10, "llama": 10, "tiny": 40, ("llama", "bf16"): 3}
+FRAMEWORKS = ("mfsdp2", "fsdp2", "fsdp2_tuned")  # fsdp2: torch's defaults; fsdp2_tuned: _common.FSDP2_TUNED
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,11 +221,13 @@ def run_case(rank: int, ws: int, spec: dict, counter: C.CollectiveCounter) -> di
     optA = C.make_optimizer(A.parameters())
     B = C.shard(copy.deepcopy(ref), "fsdp2", config, mesh)
     optB = C.make_optimizer(B.parameters())
+    T = C.shard(copy.deepcopy(ref), "fsdp2_tuned", config, mesh)
+    optT = C.make_optimizer(T.parameters())
     floor = C.ComputeFloor(ref, name, config, ws)
     if spec.get("prefetch") is not None:
         A.set_prefetch_depth(spec["prefetch"])
 
-    losses = {"mfsdp2": [], "fsdp2": []}
+    losses = {fw: [] for fw in FRAMEWORKS}
     warm_records = []
     for w in range(warmup):
         x, y = C.make_batch(name, w, rank, ws)
@@ -229,34 +238,31 @@ def run_case(rank: int, ws: int, spec: dict, counter: C.CollectiveCounter) -> di
         if w == warmup - 1:
             warm_records = recs
         losses["fsdp2"].append(C.train_step(B, optB, name, x, y).item())
+        losses["fsdp2_tuned"].append(C.train_step(T, optT, name, x, y).item())
         floor(x, y)
     replay = C.CommReplay(warm_records, ws, counter)
     replay()
     phase_s["build_warmup"] = time.time() - t_phase
     t_phase = time.time()
 
-    times = {"mfsdp2": [], "fsdp2": [], "compute": [], "comm": []}
+    times = {k: [] for k in FRAMEWORKS + ("compute", "comm")}
     cpu = {k: [] for k in times}
     # CPU used by other processes during the timed phase: machine busy time minus both ranks' own.
     busy0, own0, wall0 = C.machine_busy_s(), C.process_cpu_s(), time.monotonic()
-    records = {"mfsdp2": [], "fsdp2": []}
+    records = {fw: [] for fw in FRAMEWORKS}
     comm_stats.reset()
     for i in range(steps):
         x, y = C.make_batch(name, warmup + i, rank, ws)
 
-        def run_a():
+        def run(fw, model, opt):
             counter.enabled = True
-            losses["mfsdp2"].append(C.train_step(A, optA, name, x, y).item())
+            losses[fw].append(C.train_step(model, opt, name, x, y).item())
             counter.enabled = False
-            records["mfsdp2"].extend(counter.take())
+            records[fw].extend(counter.take())
 
-        def run_b():
-            counter.enabled = True
-            losses["fsdp2"].append(C.train_step(B, optB, name, x, y).item())
-            counter.enabled = False
-            records["fsdp2"].extend(counter.take())
-
-        items = [("mfsdp2", run_a), ("fsdp2", run_b), ("compute", lambda: floor(x, y)), ("comm", replay)]
+        items = [("mfsdp2", lambda: run("mfsdp2", A, optA)), ("fsdp2", lambda: run("fsdp2", B, optB)),
+                 ("fsdp2_tuned", lambda: run("fsdp2_tuned", T, optT)), ("compute", lambda: floor(x, y)),
+                 ("comm", replay)]
         if i % 2:
             items.reverse()
         for key, fn in items:
@@ -268,18 +274,17 @@ def run_case(rank: int, ws: int, spec: dict, counter: C.CollectiveCounter) -> di
     own_stats = {k: v / steps for k, v in comm_stats.as_dict().items()}
     padding = C.mfsdp2_padding(A)
     theoretical = _theoretical_bytes(ref, name, config)
-    A = B = optA = optB = floor = replay = None  # free both models before the memory phases
+    A = B = T = optA = optB = optT = floor = replay = None  # free the models before the memory phases
     gc.collect()
 
     # -- memory phase: each framework alone -----------------------------------------------------
     phase_s["timed"] = time.time() - t_phase
     t_phase = time.time()
     # RSS first (no tracker), then the tracked tensor peaks.
-    mem = {fw: _rss_phase(fw, ref, name, config, mesh, rank, ws, 1, warmup + steps)
-           for fw in ("mfsdp2", "fsdp2")}
+    mem = {fw: _rss_phase(fw, ref, name, config, mesh, rank, ws, 1, warmup + steps) for fw in FRAMEWORKS}
     phase_s["rss"] = time.time() - t_phase
     t_phase = time.time()
-    for fw in ("mfsdp2", "fsdp2"):
+    for fw in FRAMEWORKS:
         mem[fw].update(_tensor_phase(fw, ref, name, config, mesh, rank, ws, spec["mem_steps"], warmup + steps))
     phase_s["tensor_memory"] = time.time() - t_phase
 
@@ -324,16 +329,20 @@ def _combine(per_rank: list[dict], ws: int) -> dict:
     floor_s = max(compute_s, comm_s)
     case = {"model": name, "config": config, "params": r0["params"], "world_size": ws,
             "items_per_step": items, "item_unit": unit}
-    for fw in ("mfsdp2", "fsdp2"):
+    for fw in FRAMEWORKS:
         s = summ[fw]
         coll = r0["collectives"][fw]
+        wire = C.wire_summary(coll, ws)
         mem = [r["memory"][fw] for r in per_rank]
         d = {
             "step_s_median": s["median"],
             "step_s_p10": s["p10"],
             "step_s_p90": s["p90"],
             f"{unit}_per_s": items / s["median"],
-            "wire_bytes_per_step": coll["wire_bytes_per_step"],
+            # full-buffer convention for every framework (p2p sends converted back, see wire_summary)
+            "wire_bytes_per_step": wire["buffer_bytes"],
+            "wire_sent_bytes_per_step": wire["ring_sent_bytes"],
+            "wire_counted_bytes_per_step": coll["wire_bytes_per_step"],
             "collectives_per_step": coll["collectives_per_step"],
             "p2p_ops_per_step": coll.get("p2p_ops_per_step", 0),
             "collectives_by_kind": coll["by_kind"],
@@ -354,9 +363,8 @@ def _combine(per_rank: list[dict], ws: int) -> dict:
             d["comm_stats_per_step"] = r0["mfsdp2_comm_stats_per_step"]
             d["padding"] = r0["mfsdp2_padding"]
         case[fw] = d
-    a, b = case["mfsdp2"], case["fsdp2"]
+    a, b, t = case["mfsdp2"], case["fsdp2"], case["fsdp2_tuned"]
     theo = r0["theoretical_bytes_per_step"]
-    la, lb = r0["losses"]["mfsdp2"], r0["losses"]["fsdp2"]
     ld = r0["load"]
     foreign = (ld["machine_busy_s"] - sum(r["load"]["own_cpu_s"] for r in per_rank)) / (ld["ncpu"] * ld["wall_s"])
     case["foreign_cpu_fraction"] = max(foreign, 0.0)
@@ -366,18 +374,39 @@ def _combine(per_rank: list[dict], ws: int) -> dict:
                      "comm_s_p10": summ["comm"]["p10"], "comm_s_p90": summ["comm"]["p90"],
                      "comm_replayed": r0["replayed"]}
     case["theoretical_bytes_per_step"] = theo
+
+    def ratio(x, y):
+        return x / y if y else None
+
+    # step_time / peak_tensor_memory / ...: against FSDP2's defaults (the keys kept from before
+    # the tuned baseline existed); *_vs_tuned: against tuned FSDP2, the headline.
     case["ratio"] = {
-        "step_time": a["step_s_median"] / b["step_s_median"],
-        "peak_tensor_memory": a["peak_tensor_bytes"] / b["peak_tensor_bytes"] if b["peak_tensor_bytes"] else None,
-        "peak_rss": a["peak_rss_bytes"] / b["peak_rss_bytes"],
-        "wire_bytes": a["wire_bytes_per_step"] / b["wire_bytes_per_step"] if b["wire_bytes_per_step"] else None,
+        "step_time": ratio(a["step_s_median"], b["step_s_median"]),
+        "step_time_vs_tuned": ratio(a["step_s_median"], t["step_s_median"]),
+        "peak_tensor_memory": ratio(a["peak_tensor_bytes"], b["peak_tensor_bytes"]),
+        "peak_tensor_memory_vs_tuned": ratio(a["peak_tensor_bytes"], t["peak_tensor_bytes"]),
+        "peak_rss": ratio(a["peak_rss_bytes"], b["peak_rss_bytes"]),
+        "peak_rss_vs_tuned": ratio(a["peak_rss_bytes"], t["peak_rss_bytes"]),
+        "wire_bytes": ratio(a["wire_bytes_per_step"], b["wire_bytes_per_step"]),
+        "wire_bytes_vs_tuned": ratio(a["wire_bytes_per_step"], t["wire_bytes_per_step"]),
+        "wire_sent_bytes": ratio(a["wire_sent_bytes_per_step"], b["wire_sent_bytes_per_step"]),
         "step_over_floor": a["step_over_floor"],
         "fsdp2_step_over_floor": b["step_over_floor"],
+        "fsdp2_tuned_step_over_floor": t["step_over_floor"],
+        "tuned_fsdp2_over_default": ratio(t["step_s_median"], b["step_s_median"]),
+        "floor_over_tuned_fsdp2": ratio(floor_s, t["step_s_median"]),
         "mfsdp2_wire_over_theoretical": a["wire_bytes_per_step"] / theo,
         "overhead": a["overhead_s"] / b["overhead_s"] if b["overhead_s"] > 0 else None,
+        "overhead_vs_tuned": a["overhead_s"] / t["overhead_s"] if t["overhead_s"] > 0 else None,
     }
-    case["loss_max_abs_diff"] = max(abs(x - y) for x, y in zip(la, lb))
+    la = r0["losses"]["mfsdp2"]
+    case["loss_max_abs_diff"] = max(abs(x - y) for x, y in zip(la, r0["losses"]["fsdp2"]))
+    case["loss_max_abs_diff_vs_tuned"] = max(abs(x - y) for x, y in zip(la, r0["losses"]["fsdp2_tuned"]))
     return case
+
+
+def _f(x, nd: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{nd}f}"
 
 
 def _print_cases(cases: list[dict]) -> None:
@@ -385,7 +414,7 @@ def _print_cases(cases: list[dict]) -> None:
            "peak RSS", "step/floor", "CPU/wall"]
     rows = []
     for c in cases:
-        for fw in ("mfsdp2", "fsdp2"):
+        for fw in FRAMEWORKS:
             d = c[fw]
             rate = d.get("tokens_per_s", d.get("samples_per_s"))
             rows.append([
@@ -399,17 +428,20 @@ def _print_cases(cases: list[dict]) -> None:
             ])
     C.print_table(hdr, rows)
     print()
-    hdr = ["case", "compute ms", "comm ms (CPU/wall)", "step ratio", "tensor-mem ratio", "RSS ratio", "wire ratio",
-           "mfsdp2 wire/theory", "overhead ratio", "loss diff", "other load"]
+    hdr = ["case", "compute ms", "comm ms (CPU/wall)", "step / tuned", "step / default", "floor / tuned",
+           "tensor-mem / tuned", "tensor-mem / default", "RSS / tuned", "wire / tuned", "mfsdp2 wire/theory",
+           "overhead / tuned", "overhead / default", "loss diff (default, tuned)", "other load"]
     rows = []
     for c in cases:
         r, f = c["ratio"], c["floor"]
         rows.append([
             f"{c['model']}/{c['config']}", f"{f['compute_s']*1e3:.1f}",
             f"{f['comm_s']*1e3:.1f} ({f['comm_cpu_s_per_rank'] / f['comm_s']:.2f})",
-            f"{r['step_time']:.3f}", f"{r['peak_tensor_memory']:.3f}", f"{r['peak_rss']:.3f}",
-            f"{r['wire_bytes']:.4f}", f"{r['mfsdp2_wire_over_theoretical']:.4f}",
-            "n/a" if r["overhead"] is None else f"{r['overhead']:.3f}", f"{c['loss_max_abs_diff']:.2e}",
+            _f(r["step_time_vs_tuned"]), _f(r["step_time"]), _f(r["floor_over_tuned_fsdp2"]),
+            _f(r["peak_tensor_memory_vs_tuned"]), _f(r["peak_tensor_memory"]), _f(r["peak_rss_vs_tuned"]),
+            _f(r["wire_bytes_vs_tuned"], 4), _f(r["mfsdp2_wire_over_theoretical"], 4),
+            _f(r["overhead_vs_tuned"]), _f(r["overhead"]),
+            f"{c['loss_max_abs_diff']:.1e}, {c['loss_max_abs_diff_vs_tuned']:.1e}",
             f"{c['foreign_cpu_fraction']:.0%}",
         ])
     C.print_table(hdr, rows)

@@ -5,7 +5,7 @@ Launch one process per visible GPU::
     torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" benchmarks/gpu.py \\
         [--peak-tflops 989] [--steps 20] [--batch 2] [--seq 2048] [--json gpu.json]
 
-Both frameworks are built on every rank from the same seed (``mfsdp2.examples.llama.Transformer``:
+Every framework (mfsdp2, FSDP2 as shipped, FSDP2 tuned) is built on every rank from the same seed (``mfsdp2.examples.llama.Transformer``:
 dim 2048, 16 layers, 32 heads, 8 KV heads, SwiGLU 8192, vocab 32000, untied output: 1.14B params),
 each ``TransformerBlock`` and then the root are ``fully_shard``-ed, and both train with AdamW on the
 same random token batches. Timing alternates blocks of ``--block`` steps (mfsdp2, FSDP2, FSDP2,
@@ -77,7 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="mfsdp2 vs torch FSDP2 on CUDA/NCCL (torchrun, one process per GPU)",
         epilog="See the module docstring for the torchrun and nsys command lines.")
-    p.add_argument("--frameworks", default="mfsdp2,fsdp2", help="comma list of mfsdp2, fsdp2")
+    p.add_argument("--frameworks", default="mfsdp2,fsdp2,fsdp2_tuned",
+                   help="comma list of mfsdp2, fsdp2 (torch's defaults), fsdp2_tuned (_common.FSDP2_TUNED "
+                        "for the device: explicit prefetch on CUDA)")
     p.add_argument("--config", default="bf16", choices=C.CONFIGS)
     p.add_argument("--model-size", default="1b", choices=("1b", "tiny"))
     p.add_argument("--batch", type=int, default=2, help="sequences per rank (default 2)")
@@ -97,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.frameworks = [f for f in a.frameworks.split(",") if f]
     for f in a.frameworks:
-        if f not in ("mfsdp2", "fsdp2"):
+        if f not in C.FRAMEWORKS:
             p.error(f"unknown framework {f!r}")
     if a.steps < 1 or a.warmup < 2 or a.block < 1:
         p.error("--steps >= 1, --warmup >= 2 and --block >= 1 are required")
@@ -305,7 +307,7 @@ def _report(a, res: dict, device: torch.device, ws: int) -> None:
         med = s["median"]
         mfu = 6 * n * tok / med / (peak * 1e12 * ws) if peak else None
         d = {"step_s_median": med, "step_s_p10": s["p10"], "step_s_p90": s["p90"], "tokens_per_s": tok / med,
-             "mfu": mfu, "wire_bytes_per_step": res[fw]["collectives"]["wire_bytes_per_step"],
+             "mfu": mfu, "wire_bytes_per_step": C.wire_summary(res[fw]["collectives"], ws)["buffer_bytes"],
              "collectives_per_step": res[fw]["collectives"]["collectives_per_step"],
              "peak_tensor_bytes": res[fw]["peak_bytes"],
              "step_over_floor": med / floor_s if floor_s else None}
@@ -321,15 +323,18 @@ def _report(a, res: dict, device: torch.device, ws: int) -> None:
     C.print_table(["framework", "step ms (p10-p90)", "tokens/s", "MFU", "wire/step", "coll/step",
                    "peak mem", "step/floor"], rows)
     ratio = None
-    if "mfsdp2" in cases and "fsdp2" in cases:
-        A, B = cases["mfsdp2"], cases["fsdp2"]
-        ratio = {"step_time": A["step_s_median"] / B["step_s_median"],
-                 "peak_tensor_memory": (A["peak_tensor_bytes"] / B["peak_tensor_bytes"]
-                                        if A["peak_tensor_bytes"] and B["peak_tensor_bytes"] else None),
-                 "wire_bytes": A["wire_bytes_per_step"] / B["wire_bytes_per_step"]
-                 if B["wire_bytes_per_step"] else None,
-                 "step_over_floor": A["step_over_floor"]}
-        print("mfsdp2 / FSDP2: " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items() if v is not None))
+    for base, suffix in (("fsdp2", ""), ("fsdp2_tuned", "_vs_tuned")):
+        if "mfsdp2" not in cases or base not in cases:
+            continue
+        A, B = cases["mfsdp2"], cases[base]
+        r = {"step_time": A["step_s_median"] / B["step_s_median"],
+             "peak_tensor_memory": (A["peak_tensor_bytes"] / B["peak_tensor_bytes"]
+                                    if A["peak_tensor_bytes"] and B["peak_tensor_bytes"] else None),
+             "wire_bytes": A["wire_bytes_per_step"] / B["wire_bytes_per_step"]
+             if B["wire_bytes_per_step"] else None}
+        print(f"mfsdp2 / {base}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items() if v is not None))
+        ratio = ratio or {"step_over_floor": A["step_over_floor"]}
+        ratio.update({k + suffix: v for k, v in r.items()})
     if a.json:
         out = {"cases": [{"model": f"llama-{a.model_size}", "config": a.config, **cases,
                           "floor": {"compute_s": compute, "comm_s": comm}, "ratio": ratio}],

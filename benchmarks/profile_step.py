@@ -1,14 +1,16 @@
 """torch.profiler CPU summary of one training step (rank 0 of 2, gloo), mfsdp2 and/or torch FSDP2.
 
     python benchmarks/profile_step.py [--model mlp|llama|tiny] [--config fp32|bf16|fp32_no_reshard]
-                                      [--framework mfsdp2|fsdp2|both] [--steps 1] [--rows 25]
-                                      [--trace DIR] [--prefetch N]
+                                      [--framework mfsdp2|fsdp2|fsdp2_tuned|both|all] [--steps 1] [--rows 25]
+                                      [--trace DIR] [--prefetch N] [--json PATH]
 
 Same models, configs, optimizer and data as ``compare_fsdp2.py``. After two warm-up steps it profiles
 ``--steps`` steps and prints, for rank 0: the top ops by self CPU time, the mfsdp2 lifecycle ranges
 (``mfsdp2.*``), the time the main thread spends blocked in ``wait()`` on collectives, and CPU time
 vs wall time of the process (all threads: compute, gloo's threads, the kernel's socket copies).
-``--trace DIR`` also writes each rank's Chrome trace (open in Perfetto).
+``--trace DIR`` also writes each rank's Chrome trace (open in Perfetto); ``--json PATH`` writes rank 0's
+summary (per framework: wall, CPU, faults, the top ops and the mfsdp2 ranges) so that profile
+figures quoted in docs/benchmarks.md come from a recorded file.
 """
 
 from __future__ import annotations
@@ -95,15 +97,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="mlp", choices=C.MODELS)
     p.add_argument("--config", default="fp32", choices=C.CONFIGS)
-    p.add_argument("--framework", default="mfsdp2", choices=("mfsdp2", "fsdp2", "both"))
+    p.add_argument("--framework", default="mfsdp2", choices=C.FRAMEWORKS + ("both", "all"),
+                   help="both: mfsdp2 and FSDP2 default; all: also FSDP2 tuned")
     p.add_argument("--steps", type=int, default=1, help="profiled steps (default 1)")
     p.add_argument("--rows", type=int, default=25, help="rows of the op table (default 25)")
     p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces to DIR")
     p.add_argument("--prefetch", type=int, default=None, help="mfsdp2 prefetch depth (default: runtime's)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--mmap-max0", action="store_true", help="start the ranks with MALLOC_MMAP_MAX_=0")
+    p.add_argument("--json", metavar="PATH", help="write rank 0's summary as JSON")
     a = p.parse_args(argv)
-    fws = ["mfsdp2", "fsdp2"] if a.framework == "both" else [a.framework]
+    fws = {"both": ["mfsdp2", "fsdp2"], "all": list(C.FRAMEWORKS)}.get(a.framework, [a.framework])
     args = {"model": a.model, "config": a.config, "frameworks": fws, "steps": a.steps, "rows": a.rows,
             "trace": a.trace, "prefetch": a.prefetch}
     env = {"MALLOC_MMAP_MAX_": "0"} if a.mmap_max0 else None
@@ -119,6 +123,19 @@ def main(argv=None) -> int:
             for k, n, ms in _grouped_ranges(r["ranges"]):
                 print(f"  {k:<28} calls {n:5d}  {ms:9.1f} ms")
         print()
+    if a.json:
+        import json
+
+        out = {"command": "python " + " ".join([os.path.relpath(sys.argv[0], C.REPO)] + sys.argv[1:]),
+               "date": C.now_iso(), "machine": C.machine_info(), "model": a.model, "config": a.config,
+               "steps": a.steps,
+               "frameworks": {fw: {k: v for k, v in res[fw].items() if k != "table"} for fw in fws}}
+        for fw in fws:
+            out["frameworks"][fw]["ranges_by_kind"] = [
+                {"range": k, "calls": n, "cpu_total_ms": ms} for k, n, ms in _grouped_ranges(res[fw]["ranges"])]
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {a.json}")
     return 0
 
 

@@ -33,9 +33,11 @@ def compare(d: dict) -> str:
              + (f", MALLOC_MMAP_MAX_={d['machine']['malloc_mmap_max']}"
                 if d["machine"].get("malloc_mmap_max") and "MALLOC_MMAP_MAX_" not in d["machine"].get("env", {}) else "")
              + f"; wall {d.get('wall_s', 0):.0f} s.", ""]
+    tuned = all("fsdp2_tuned" in c for c in d["cases"])  # runs before the tuned baseline: default only
+    fws = ("mfsdp2", "fsdp2", "fsdp2_tuned") if tuned else ("mfsdp2", "fsdp2")
     rows = []
     for c in d["cases"]:
-        for fw in ("mfsdp2", "fsdp2"):
+        for fw in fws:
             x = c[fw]
             rate = x.get("tokens_per_s", x.get("samples_per_s"))
             rows.append([
@@ -52,26 +54,50 @@ def compare(d: dict) -> str:
                       "CPU/wall per rank"], rows))
     parts.append("")
     rows = []
+
+    def f2(x) -> str:
+        return "n/a" if x is None else f"{x:.2f}"
+
     for c in d["cases"]:
         r, f = c["ratio"], c["floor"]
         floor_s = max(f["compute_s"], f["comm_s"])
+        base = c["fsdp2_tuned"] if tuned else c["fsdp2"]
         # overhead = step - max(compute, comm); meaningless when a step is within noise of the floor
-        small = min(c["mfsdp2"]["overhead_s"], c["fsdp2"]["overhead_s"]) < 0.05 * floor_s
-        rows.append([
-            f"{c['model']}/{c['config']}", f"{f['compute_s']*1e3:.0f}",
-            f"{f['comm_s']*1e3:.0f} ({f['comm_cpu_s_per_rank'] / f['comm_s']:.2f})",
-            f"**{r['step_time']:.2f}**", f"{floor_s / c['fsdp2']['step_s_median']:.2f}",
-            f"**{r['step_over_floor']:.2f}**",
-            f"{c['mfsdp2']['step_over_serial_floor']:.2f}",
-            f"{r['mfsdp2_wire_over_theoretical']:.4f} ({c['mfsdp2']['padding']*100:.2f} %)",
-            f"{r['wire_bytes']:.3f}", f"**{r['peak_tensor_memory']:.2f}**", f"{r['peak_rss']:.2f}",
-            "n/a (at floor)" if r["overhead"] is None or small else f"{r['overhead']:.2f}",
-            f"{c['loss_max_abs_diff']:.1e}", f"{c.get('foreign_cpu_fraction', 0)*100:.0f} %",
-        ])
-    parts.append(_md(["case", "compute-only ms", "comm-only ms (CPU/wall)", "step mfsdp2/FSDP2",
-                      "lowest possible (floor/FSDP2)", "mfsdp2 step/floor", "mfsdp2 step/(compute+comm)", "mfsdp2 wire/theory (padding)",
-                      "wire mfsdp2/FSDP2", "peak tensor mfsdp2/FSDP2", "peak RSS mfsdp2/FSDP2",
-                      "overhead mfsdp2/FSDP2", "max loss diff", "other load"], rows))
+        small = min(c["mfsdp2"]["overhead_s"], base["overhead_s"]) < 0.05 * floor_s
+        overhead = r.get("overhead_vs_tuned") if tuned else r["overhead"]
+        row = [f"{c['model']}/{c['config']}", f"{f['compute_s']*1e3:.0f}",
+               f"{f['comm_s']*1e3:.0f} ({f['comm_cpu_s_per_rank'] / f['comm_s']:.2f})"]
+        if tuned:
+            row += [f"**{f2(r['step_time_vs_tuned'])}**", f2(r["step_time"])]
+        else:
+            row += [f"**{f2(r['step_time'])}**"]
+        row += [f"{floor_s / base['step_s_median']:.2f}", f"**{r['step_over_floor']:.2f}**",
+                f"{c['mfsdp2']['step_over_serial_floor']:.2f}",
+                f"{r['mfsdp2_wire_over_theoretical']:.4f} ({c['mfsdp2']['padding']*100:.2f} %)",
+                f"{(r['wire_bytes_vs_tuned'] if tuned else r['wire_bytes']):.3f}"]
+        if tuned:
+            row += [f"**{f2(r['peak_tensor_memory_vs_tuned'])}**", f2(r["peak_tensor_memory"]),
+                    f2(r["peak_rss_vs_tuned"])]
+        else:
+            row += [f"**{f2(r['peak_tensor_memory'])}**", f2(r["peak_rss"])]
+        row += ["n/a (at floor)" if overhead is None or small else f"{overhead:.2f}"]
+        if tuned:
+            row += ["n/a (at floor)" if r["overhead"] is None or small else f"{r['overhead']:.2f}"]
+        row += [f"{c['loss_max_abs_diff']:.1e}", f"{c.get('foreign_cpu_fraction', 0)*100:.0f} %"]
+        rows.append(row)
+    if tuned:
+        hdr = ["case", "compute-only ms", "comm-only ms (CPU/wall)", "step mfsdp2 / FSDP2 tuned",
+               "step mfsdp2 / FSDP2 default", "lowest possible (floor / FSDP2 tuned)", "mfsdp2 step/floor",
+               "mfsdp2 step/(compute+comm)", "mfsdp2 wire/theory (padding)", "wire mfsdp2 / FSDP2 tuned",
+               "peak tensor mfsdp2 / FSDP2 tuned", "peak tensor mfsdp2 / FSDP2 default",
+               "peak RSS mfsdp2 / FSDP2 tuned", "overhead mfsdp2 / FSDP2 tuned", "overhead mfsdp2 / FSDP2 default",
+               "max loss diff", "other load"]
+    else:
+        hdr = ["case", "compute-only ms", "comm-only ms (CPU/wall)", "step mfsdp2/FSDP2",
+               "lowest possible (floor/FSDP2)", "mfsdp2 step/floor", "mfsdp2 step/(compute+comm)",
+               "mfsdp2 wire/theory (padding)", "wire mfsdp2/FSDP2", "peak tensor mfsdp2/FSDP2",
+               "peak RSS mfsdp2/FSDP2", "overhead mfsdp2/FSDP2", "max loss diff", "other load"]
+    parts.append(_md(hdr, rows))
     return "\n".join(parts)
 
 

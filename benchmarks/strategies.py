@@ -7,18 +7,25 @@ What is measured. Each rank builds the same seeded model once per *variant* belo
 variant with ``AdamW(lr=1e-3, weight_decay=0.01)`` on the same batches, and the timed phase runs
 rounds of one step per variant (the order rotated by one each round and reversed every other round,
 a barrier before each step), so the machine's drift hits all variants alike. Variants of one case
-group share the process and the rounds; the two groups run one after the other:
+group share the process and the rounds; the groups of a model run one after the other. torch FSDP2
+appears twice: *default* (as shipped) and *tuned* (``_common.FSDP2_TUNED``: the fastest
+configuration of its API on this backend, chosen by ``benchmarks/fsdp2_tuning.py``; CPU: async
+unshard + explicit forward / backward prefetch of the next unit):
 
 * group ``fp32`` (fp32 params, grads and reduction):
 
-  - ``zero3``    mfsdp2 ``sharding_strategy="optim_grads_params"`` (ZeRO-3, the default)
-  - ``fsdp2``    torch FSDP2 ``fully_shard(reshard_after_forward=True)`` (root left at its default)
-  - ``zero2``    mfsdp2 ``"optim_grads"`` (ZeRO-2: full weights kept, gathered once per step)
-  - ``fsdp2_nr`` torch FSDP2 with ``reshard_after_forward=False`` (weights kept from forward to
-    backward, freed after backward, gathered again at the next forward)
-  - ``zero1``    mfsdp2 ``"optim"`` (ZeRO-1: full weights and full gradients, all-reduced)
-  - ``no_shard`` mfsdp2 ``"no_shard"`` (DDP-like)
-  - ``ddp``      torch ``DistributedDataParallel`` (``gradient_as_bucket_view=True``,
+  - ``zero3``       mfsdp2 ``sharding_strategy="optim_grads_params"`` (ZeRO-3, the default)
+  - ``fsdp2`` / ``fsdp2_tuned``  torch FSDP2 ``fully_shard(reshard_after_forward=True)`` (root left at its
+    default), default / tuned
+  - ``zero2``       mfsdp2 ``"optim_grads"`` (ZeRO-2: full weights kept, gathered once per step)
+  - ``fsdp2_nr`` / ``fsdp2_nr_tuned``  torch FSDP2 with ``reshard_after_forward=False`` (weights
+    kept from forward to backward, freed after backward, gathered again at the next forward)
+
+* group ``ddp`` (fp32):
+
+  - ``no_shard``    mfsdp2 ``"no_shard"`` (DDP-like)
+  - ``zero1``       mfsdp2 ``"optim"`` (ZeRO-1: full weights and full gradients)
+  - ``ddp``         torch ``DistributedDataParallel`` (``gradient_as_bucket_view=True``,
     ``broadcast_buffers=False``, default 25 MiB buckets; the Python ``allreduce_hook`` is
     registered as its comm hook so that its all-reduces go through ``dist.all_reduce`` and are
     counted: it does what the built-in hook does -- divide by the world size, all-reduce the bucket)
@@ -28,7 +35,7 @@ group share the process and the rounds; the two groups run one after the other:
   - ``bf16``       mfsdp2
   - ``bf16_fp8``   mfsdp2 with ``all_gather_dtype=torch.float8_e4m3fn`` (>= 2-D weights gathered as
     float8 with per-parameter scales; norms and biases in bf16)
-  - ``fsdp2_bf16`` torch FSDP2
+  - ``fsdp2_bf16`` / ``fsdp2_bf16_tuned``  torch FSDP2, default / tuned
 
 Per variant: median step time (max over ranks, p10/p90 over the timed rounds); wire bytes per step
 by collective kind (``_common.CollectiveCounter``: each collective's full buffer -- all-gather
@@ -44,21 +51,23 @@ are views of its buckets); mfsdp2's ``transient_peak_bytes`` (its allocator's pe
 steps: gathered weights, flat gradients, main grads) beside it; the loss of every step (mean over
 ranks).
 
-The comparisons reported as ratios (first / second): ZeRO-3 / FSDP2, ZeRO-2 / FSDP2 no-reshard,
-no_shard / DDP, ZeRO-1 / DDP, ZeRO-1 / FSDP2, bf16+FP8 / mfsdp2 bf16, bf16+FP8 / FSDP2 bf16 and
-mfsdp2 bf16 / FSDP2 bf16.
+The comparisons reported as ratios (variant / baseline; against FSDP2 the headline is tuned FSDP2
+and the default is a second column): ZeRO-3 / FSDP2, ZeRO-2 / FSDP2 no-reshard, no_shard / DDP,
+ZeRO-1 / DDP, bf16+FP8 / mfsdp2 bf16, bf16+FP8 / FSDP2 bf16 and mfsdp2 bf16 / FSDP2 bf16.
 
-Cases: ``mlp`` and ``llama`` of ``_common`` (8 x Linear(1024,4096)-GELU-Linear(4096,1024), 67.1M
-params, global batch 16; ``LlamaConfig.demo()``, 14.2M params, 8 x 128 tokens) x groups ``fp32`` /
-``bf16``. World size 2, gloo, one thread per rank. Default: all four cases, 2 warm-up + 10 timed
-rounds (about 5 minutes on 2 cores); ``--quick``: mlp:fp32, mlp:bf16 and llama:bf16 (llama for
-the FP8 loss: the mlp regression on random targets is chaotic after a few steps), 2 + 4 rounds
-(about 3 minutes).
+Cases: ``mlp``, ``llama`` and ``tiny`` of ``_common`` (8 x Linear(1024,4096)-GELU-Linear(4096,1024),
+67.1M params, global batch 16; ``LlamaConfig.demo()``, 14.2M params, 8 x 128 tokens; 64 x
+Linear(64,64), global batch 16) x groups. World size 2, gloo, one thread per rank. Default: mlp and
+llama x fp32 / ddp / bf16, tiny x fp32 / ddp, 2 warm-up + 10 timed rounds (tiny 40); ``--quick``:
+mlp:fp32, mlp:bf16 and llama:bf16 (llama for the FP8 loss: the mlp regression on random targets is
+chaotic after a few steps), 2 + 4 rounds.
 
 ``--accum K`` splits each rank's batch into K micro-batches per optimizer step, the first K-1
 without gradient synchronisation: what ZeRO-2 is for (its kept weights are gathered once per
-optimizer step, FSDP2's once per micro-batch even with ``reshard_after_forward=False``). The
-persistent-bytes step is always one whole batch.
+optimizer step). FSDP2 default gathers once per micro-batch (twice with resharding after forward);
+tuned FSDP2 keeps its gathered weights after each non-syncing backward
+(``set_reshard_after_backward(False)``), and so does mfsdp2 ZeRO-3. The persistent-bytes step is
+always one whole batch.
 """
 
 from __future__ import annotations
@@ -78,47 +87,59 @@ import _common as C  # noqa: E402
 import torch  # noqa: E402
 from compare_fsdp2 import _timed  # noqa: E402
 
-# name -> (framework, _common config, mfsdp2 sharding_strategy, FP8 all-gather)
+# name -> (framework, _common config, mfsdp2 sharding_strategy, FP8 all-gather). Frameworks: "mfsdp2",
+# "ddp", and _common's "fsdp2" (torch's defaults) / "fsdp2_tuned" (its fastest configuration on this
+# backend, _common.FSDP2_TUNED).
 VARIANTS = {
     "zero3": ("mfsdp2", "fp32", "optim_grads_params", False),
     "fsdp2": ("fsdp2", "fp32", None, False),
+    "fsdp2_tuned": ("fsdp2_tuned", "fp32", None, False),
     "zero2": ("mfsdp2", "fp32", "optim_grads", False),
     "fsdp2_nr": ("fsdp2", "fp32_no_reshard", None, False),
+    "fsdp2_nr_tuned": ("fsdp2_tuned", "fp32_no_reshard", None, False),
     "zero1": ("mfsdp2", "fp32", "optim", False),
     "no_shard": ("mfsdp2", "fp32", "no_shard", False),
     "ddp": ("ddp", "fp32", None, False),
     "bf16": ("mfsdp2", "bf16", "optim_grads_params", False),
     "bf16_fp8": ("mfsdp2", "bf16", "optim_grads_params", True),
     "fsdp2_bf16": ("fsdp2", "bf16", None, False),
+    "fsdp2_bf16_tuned": ("fsdp2_tuned", "bf16", None, False),
 }
 LABELS = {
     "zero3": "mfsdp2 ZeRO-3 (optim_grads_params)",
-    "fsdp2": "FSDP2 (reshard_after_forward=True)",
+    "fsdp2": "FSDP2 default (reshard_after_forward=True)",
+    "fsdp2_tuned": "FSDP2 tuned (reshard_after_forward=True)",
     "zero2": "mfsdp2 ZeRO-2 (optim_grads)",
-    "fsdp2_nr": "FSDP2 (reshard_after_forward=False)",
+    "fsdp2_nr": "FSDP2 default (reshard_after_forward=False)",
+    "fsdp2_nr_tuned": "FSDP2 tuned (reshard_after_forward=False)",
     "zero1": "mfsdp2 ZeRO-1 (optim)",
     "no_shard": "mfsdp2 no_shard",
     "ddp": "torch DDP",
     "bf16": "mfsdp2 bf16",
     "bf16_fp8": "mfsdp2 bf16 + FP8 all-gather",
-    "fsdp2_bf16": "FSDP2 bf16",
+    "fsdp2_bf16": "FSDP2 bf16 default",
+    "fsdp2_bf16_tuned": "FSDP2 bf16 tuned",
 }
+# Variants of one group share the processes and the alternating rounds. The DDP-like strategies
+# are a group of their own: with the sharded ones in one group a rank would hold nine mlp models.
 GROUPS = {
-    "fp32": ["zero3", "fsdp2", "zero2", "fsdp2_nr", "zero1", "no_shard", "ddp"],
-    "bf16": ["bf16", "bf16_fp8", "fsdp2_bf16"],
+    "fp32": ["zero3", "fsdp2", "fsdp2_tuned", "zero2", "fsdp2_nr", "fsdp2_nr_tuned"],
+    "ddp": ["no_shard", "zero1", "ddp"],
+    "bf16": ["bf16", "bf16_fp8", "fsdp2_bf16", "fsdp2_bf16_tuned"],
 }
-# (label, variant, baseline)
+# (label, variant, baseline, second baseline or None): the headline ratio is against the first
+# baseline (FSDP2 tuned where FSDP2 is the baseline), the second (FSDP2 default) is reported beside it.
 COMPARISONS = [
-    ("ZeRO-3 / FSDP2", "zero3", "fsdp2"),
-    ("ZeRO-2 / FSDP2 no-reshard", "zero2", "fsdp2_nr"),
-    ("no_shard / DDP", "no_shard", "ddp"),
-    ("ZeRO-1 / DDP", "zero1", "ddp"),
-    ("ZeRO-1 / FSDP2", "zero1", "fsdp2"),
-    ("bf16+FP8 / mfsdp2 bf16", "bf16_fp8", "bf16"),
-    ("bf16+FP8 / FSDP2 bf16", "bf16_fp8", "fsdp2_bf16"),
-    ("mfsdp2 bf16 / FSDP2 bf16", "bf16", "fsdp2_bf16"),
+    ("ZeRO-3 / FSDP2", "zero3", "fsdp2_tuned", "fsdp2"),
+    ("ZeRO-2 / FSDP2 no-reshard", "zero2", "fsdp2_nr_tuned", "fsdp2_nr"),
+    ("no_shard / DDP", "no_shard", "ddp", None),
+    ("ZeRO-1 / DDP", "zero1", "ddp", None),
+    ("bf16+FP8 / mfsdp2 bf16", "bf16_fp8", "bf16", None),
+    ("bf16+FP8 / FSDP2 bf16", "bf16_fp8", "fsdp2_bf16_tuned", "fsdp2_bf16"),
+    ("mfsdp2 bf16 / FSDP2 bf16", "bf16", "fsdp2_bf16_tuned", "fsdp2_bf16"),
 ]
-FULL_CASES = [("mlp", "fp32"), ("mlp", "bf16"), ("llama", "fp32"), ("llama", "bf16")]
+FULL_CASES = [("mlp", "fp32"), ("mlp", "ddp"), ("mlp", "bf16"), ("llama", "fp32"), ("llama", "ddp"), ("llama", "bf16"),
+              ("tiny", "fp32"), ("tiny", "ddp")]
 QUICK_CASES = [("mlp", "fp32"), ("mlp", "bf16"), ("llama", "bf16")]
 
 
@@ -137,8 +158,8 @@ def build_variant(name: str, ref: torch.nn.Module, mesh) -> torch.nn.Module:
         ddp = DistributedDataParallel(model, broadcast_buffers=False, gradient_as_bucket_view=True)
         ddp.register_comm_hook(None, allreduce_hook)
         return ddp
-    if fw == "fsdp2":
-        return C.shard(model, "fsdp2", config, mesh)
+    if fw != "mfsdp2":
+        return C.shard(model, fw, config, mesh)
     return C.shard(model, "mfsdp2", config, mesh, sharding_strategy=strategy,
                    all_gather_dtype=torch.float8_e4m3fn if fp8 else None)
 
@@ -146,7 +167,9 @@ def build_variant(name: str, ref: torch.nn.Module, mesh) -> torch.nn.Module:
 def train_step(v: str, model, opt, name: str, x, y, accum: int) -> torch.Tensor:
     """One optimizer step; with ``accum`` > 1 the rank's batch is split into ``accum`` micro-batches
     and only the last one synchronises gradients (``no_sync()`` for DDP,
-    ``set_requires_gradient_sync(False)`` for mfsdp2 and FSDP2). Returns the rank's mean loss."""
+    ``set_requires_gradient_sync(False)`` for mfsdp2 and FSDP2, plus
+    ``set_reshard_after_backward(False)`` for mfsdp2 and tuned FSDP2: ``_common.set_accumulation_flags``).
+    Returns the rank's mean loss."""
     if accum == 1:
         return C.train_step(model, opt, name, x, y)
     total = torch.zeros(())
@@ -155,7 +178,7 @@ def train_step(v: str, model, opt, name: str, x, y, accum: int) -> torch.Tensor:
         if VARIANTS[v][0] == "ddp":
             ctx = contextlib.nullcontext() if last else model.no_sync()
         else:
-            model.set_requires_gradient_sync(last)
+            C.set_accumulation_flags(model, VARIANTS[v][0], last)
             ctx = contextlib.nullcontext()
         with ctx:
             loss = C.loss_fn(name, model(xm), ym) / accum
@@ -291,24 +314,6 @@ def worker(rank: int, ws: int, specs: list[dict]) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 
 
-def wire_summary(coll: dict, ws: int) -> dict:
-    """Bytes per step by kind in the buffer convention (p2p sends converted back to the
-    reduce-scatter buffer they came from) and the ring estimate of bytes sent per rank."""
-    bk = {k: d["bytes"] for k, d in coll["by_kind"].items()}
-    calls = {k: d["calls"] for k, d in coll["by_kind"].items()}
-    f = (ws - 1) / ws
-    buf = {
-        "all_gather": bk.get("all_gather", 0.0),
-        "reduce_scatter": bk.get("reduce_scatter", 0.0) + bk.get("p2p", 0.0) / f,
-        "all_reduce": bk.get("all_reduce", 0.0),
-        "broadcast": bk.get("broadcast", 0.0),
-    }
-    sent = (buf["all_gather"] * f + bk.get("reduce_scatter", 0.0) * f + bk.get("p2p", 0.0)
-            + buf["all_reduce"] * 2 * f + buf["broadcast"] * f)
-    return {"buffer_bytes_by_kind": buf, "buffer_bytes": sum(buf.values()), "ring_sent_bytes": sent,
-            "counted": bk, "calls_by_kind": calls}
-
-
 def combine(per_rank: list[dict], ws: int) -> dict:
     r0 = per_rank[0]
     out = {"model": r0["model"], "group": r0["group"], "params": r0["params"], "world_size": ws,
@@ -322,7 +327,7 @@ def combine(per_rank: list[dict], ws: int) -> dict:
         out["variants"][v] = {
             "label": LABELS[v],
             "step_s_median": s["median"], "step_s_p10": s["p10"], "step_s_p90": s["p90"], "n": s["n"],
-            "wire": wire_summary(r0["collectives"][v], ws),
+            "wire": C.wire_summary(r0["collectives"][v], ws),
             "collectives": r0["collectives"][v],
             "persistent_bytes": mem,
             "persistent_rank0_detail": r0["memory"][v],
@@ -342,22 +347,27 @@ def case_name(c: dict) -> str:
 
 
 def comparisons(cases: list[dict]) -> list[dict]:
+    """Ratios variant / baseline per case; ``step_ratio_second`` is against the second baseline
+    (FSDP2 at its defaults where the first is FSDP2 tuned)."""
     rows = []
+
+    def ratio(x, y):
+        return x / y if y else None
+
     for c in cases:
         vs = c["variants"]
-        for label, a, b in COMPARISONS:
+        for label, a, b, b2 in COMPARISONS:
             if a not in vs or b not in vs:
                 continue
             A, B = vs[a], vs[b]
-
-            def ratio(x, y):
-                return x / y if y else None
-
             la, lb = A["losses"], B["losses"]
+            B2 = vs.get(b2) if b2 else None
             rows.append({
                 "case": case_name(c), "comparison": label, "variant": a, "baseline": b,
+                "second_baseline": b2 if B2 else None,
                 "step_s": (A["step_s_median"], B["step_s_median"]),
                 "step_ratio": ratio(A["step_s_median"], B["step_s_median"]),
+                "step_ratio_second": ratio(A["step_s_median"], B2["step_s_median"]) if B2 else None,
                 "wire_buffer_ratio": ratio(A["wire"]["buffer_bytes"], B["wire"]["buffer_bytes"]),
                 "wire_sent_ratio": ratio(A["wire"]["ring_sent_bytes"], B["wire"]["ring_sent_bytes"]),
                 "all_gather_ratio": ratio(A["wire"]["buffer_bytes_by_kind"]["all_gather"],
@@ -366,7 +376,7 @@ def comparisons(cases: list[dict]) -> list[dict]:
                 "weights_ratio": ratio(A["persistent_bytes"]["weights"], B["persistent_bytes"]["weights"]),
                 "grads_ratio": ratio(A["persistent_bytes"]["grads"], B["persistent_bytes"]["grads"]),
                 "final_loss": (A["final_loss"], B["final_loss"]),
-                "loss_max_rel_diff": max(abs(x - y) / abs(y) for x, y in zip(la, lb) if y),
+                "loss_max_rel_diff": max((abs(x - y) / abs(y) for x, y in zip(la, lb) if y), default=0.0),
             })
     return rows
 
@@ -403,13 +413,15 @@ def markdown(out: dict) -> str:
                 _mib(p["total"]), _mib(d["transient_peak_bytes"]), f"{d['final_loss']:.5f}",
             ]) + " |")
     lines.append("")
-    hdr = ["case", "ratio (variant / baseline)", "step time", "wire (buffers)", "wire (sent/rank)", "all-gather bytes",
+    hdr = ["case", "ratio (variant / baseline)", "step time (vs tuned FSDP2 / DDP)", "step time vs FSDP2 default",
+           "wire (buffers)", "wire (sent/rank)", "all-gather bytes",
            "persistent", "weights", "grads", "final loss (variant, baseline)", "max rel. loss diff", "other load"]
     lines += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     load = {case_name(c): c["foreign_cpu_fraction"] for c in out["cases"]}
     for r in out["comparisons"]:
         lines.append("| " + " | ".join([
-            r["case"], r["comparison"], f"**{_r(r['step_ratio'])}**", _r(r["wire_buffer_ratio"]),
+            r["case"], r["comparison"], f"**{_r(r['step_ratio'])}**",
+            "--" if r["step_ratio_second"] is None else _r(r["step_ratio_second"]), _r(r["wire_buffer_ratio"]),
             _r(r["wire_sent_ratio"]), _r(r["all_gather_ratio"]), f"**{_r(r['persistent_ratio'])}**",
             _r(r["weights_ratio"]), _r(r["grads_ratio"]),
             f"{r['final_loss'][0]:.5f}, {r['final_loss'][1]:.5f}", f"{r['loss_max_rel_diff']:.1e}",
@@ -423,11 +435,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="mlp:fp32, mlp:bf16, llama:bf16, 2 warm-up + 4 timed rounds (about 3 minutes)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
-    p.add_argument("--steps", type=int, default=None, help="timed rounds (default 10; --quick 4)")
+    p.add_argument("--steps", type=int, default=None, help="timed rounds (default 10, tiny 40; --quick 4)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
     p.add_argument("--cases", default=None,
-                   help="comma list of model:group (models: mlp, llama, tiny; groups: fp32, bf16); "
-                        "default mlp:fp32,mlp:bf16,llama:fp32,llama:bf16; --quick without llama:fp32")
+                   help="comma list of model:group (models: mlp, llama, tiny; groups: fp32, ddp, bf16); "
+                        "default mlp and llama x fp32,ddp,bf16 + tiny x fp32,ddp; --quick mlp:fp32,mlp:bf16,llama:bf16")
     p.add_argument("--accum", type=int, default=1, metavar="K",
                    help="micro-batches per optimizer step (the rank's batch split in K; default 1)")
     p.add_argument("--world-size", type=int, default=2)
@@ -457,8 +469,8 @@ def main(argv=None) -> int:
         cases = QUICK_CASES if args.quick else FULL_CASES
     steps = args.steps or (4 if args.quick else 10)
     wait = args.wait_quiet if args.wait_quiet is not None else (15.0 if args.quick else 60.0)
-    specs = [{"model": m, "group": g, "steps": steps, "warmup": args.warmup, "accum": args.accum,
-              "wait_quiet": wait} for m, g in cases]
+    specs = [{"model": m, "group": g, "steps": steps * (4 if m == "tiny" and args.steps is None else 1),
+              "warmup": args.warmup, "accum": args.accum, "wait_quiet": wait} for m, g in cases]
     command = "python " + " ".join([os.path.relpath(sys.argv[0], C.REPO)] + sys.argv[1:])
     print(f"strategies: world size {args.world_size}, gloo, 1 thread/rank, cases "
           f"{', '.join(f'{m}/{g}' for m, g in cases)}, {args.warmup} warm-up + {steps} timed rounds, "

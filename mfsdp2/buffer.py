@@ -235,5 +235,6 @@ class DataParallelBuffer:
     def reduce_scatter(
         self, full: torch.Tensor, out: torch.Tensor, op, scratch: Optional[torch.Tensor] = None, label: str = ""
     ) -> CommHandle:
-        """Reduce a full-size flat tensor into ``out`` (shard size, must not alias ``full``)."""
+        """Reduce a full-size flat tensor into ``out`` (shard size, must not alias ``full``).
+        ``full`` is scratch: the communicator may overwrite it (see ``Communicator.reduce_scatter``)."""
         return self.comm.reduce_scatter(out, full, op, scratch, label)

@@ -100,7 +100,11 @@ def _adopt(state, g, values: list[torch.Tensor], grads: list) -> "object":
         raise RuntimeError(f"mfsdp2: the conversion gave the parameters of {g.name} different dtypes/devices {dtypes} {devices}")
     dtype, device = dtypes.pop(), devices.pop()
     if device.type == "meta":
-        raise ValueError(f"mfsdp2: cannot move the shards of {g.name} to the meta device after fully_shard")
+        if g.allocated:
+            raise ValueError(f"mfsdp2: cannot move the shards of {g.name} to the meta device after fully_shard")
+        # Still on meta (a meta-built model converted before its init, e.g. .to(float64)):
+        # stays there, as FSDP2's does; only the dtype changes.
+        return g if dtype == g.orig_dtype else _rebuilt(state, g, dtype)
     # The values are copied into the main shards wherever they live: the mesh's device, or the
     # CPU under CPUOffloadPolicy, which also accepts the mesh's device (FSDP2's pinned offload
     # moves such parameters back to the CPU too).
@@ -114,6 +118,7 @@ def _adopt(state, g, values: list[torch.Tensor], grads: list) -> "object":
         target = g
     else:
         target = _rebuilt(state, g, dtype)
+    target.allocate()  # a meta-built group gets its memory here (FSDP2's to_empty recipe)
     for i, v in enumerate(values):
         piece = target.weights.piece_view(target.main_weight, i)
         if not _same_memory(piece, v):
@@ -138,7 +143,7 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _rebuilt(state, g, dtype: torch.dtype):
     """A new group like ``g`` for parameters of ``dtype``, on ``g``'s layout, whose DTensor
     parameter objects are ``g``'s (contents swapped in, identity and user attributes kept)."""
-    from .param_group import ParameterGroup
+    from .param_group import ParameterGroup, swap_param
 
     shapes = [g.layout.slots[i].shape for i in range(len(g.dist_params))]
     metas = [nn.Parameter(torch.empty(s, dtype=dtype, device="meta"), requires_grad=g.requires_grad) for s in shapes]
@@ -148,25 +153,15 @@ def _rebuilt(state, g, dtype: torch.dtype):
     new.divide_factor = g.divide_factor
     new.requires_all_reduce = g.requires_all_reduce
     for i, (old_dp, new_dp) in enumerate(zip(g.dist_params, new.dist_params)):
-        attrs = dict(old_dp.__dict__)
-        old_dp.grad = None  # a .grad reference blocks swap_tensors; grads are moved after
-        torch.utils.swap_tensors(old_dp, new_dp)
-        old_dp.__dict__.clear()
-        old_dp.__dict__.update(attrs)
+        swap_param(old_dp, new_dp)  # drops old_dp.grad: grads are moved after
         new.dist_params[i] = old_dp
     return new
 
 
 def _move_grads(old, new, grads: list) -> None:
     """Converted gradients go into ``new``'s main gradient; ``old``'s is given back."""
-    alloc = old._main_grad_alloc  # None for an offloaded group's host main grad
     had = old.main_grad is not None
-    if had:
-        old.main_grad = None
-        old.main_grad_full = None
-        if alloc is not None:
-            alloc.free(old._main_grad_key())
-            old._main_grad_alloc = None
+    alloc = old.drop_main_grad()  # None for an offloaded group's host main grad
     if not had or all(gr is None for gr in grads):
         return
     new._ensure_main_grad(alloc, zero=True)

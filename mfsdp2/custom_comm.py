@@ -53,9 +53,9 @@ class CustomCommunicator:
         fn = self.custom_all_gather
         return self._issue(self.base.ag_stream, lambda a: fn(out, inp, self.base.group, async_op=a), label)
 
-    def reduce_scatter_scratch_numel(self, shard_numel: int, op=dist.ReduceOp.AVG) -> int:
+    def reduce_scatter_scratch_numel(self, shard_numel: int, op=dist.ReduceOp.AVG, itemsize: int = 4) -> int:
         if self.custom_reduce_scatter is None:
-            return self.base.reduce_scatter_scratch_numel(shard_numel, op)
+            return self.base.reduce_scatter_scratch_numel(shard_numel, op, itemsize)
         return 0
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp.SUM, scratch=None, label: str = "") -> CommHandle:

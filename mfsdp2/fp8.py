@@ -19,6 +19,10 @@ gets scale 1.
 
 Only parameters with two or more dimensions (matmul weights) are gathered in FP8: norms and
 biases are small and sensitive, so ``fully_shard`` puts them in ordinary groups.
+
+The quantise and the dequantise are one call each over the whole buffer and its segment table
+(this rank's pieces in the shard; the parameters' slots in the gathered buffer):
+:mod:`mfsdp2.native`'s kernels on CPU, their bit-identical PyTorch references elsewhere.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 
 import torch
 
+from . import native
 from .buffer import DataParallelBuffer
 from .comm import CommHandle
 
@@ -50,22 +55,30 @@ class Float8Gather:
         self.dtype = dtype
         self.max = torch.finfo(dtype).max
         n = len(group.layout.slots)
-        self.bytes = DataParallelBuffer(group.layout, torch.uint8, group.device, group.comm)
+        device = group.main_weight.device  # meta until a meta-built group is allocated
+        self.bytes = DataParallelBuffer(group.layout, torch.uint8, device, group.comm)
         self.bytes.free_unsharded()
-        self.scales = torch.ones(n, dtype=torch.float32, device=group.device)
+        self.scales = torch.ones(n, dtype=torch.float32, device=device)
         self.agreed = False  # scales agreed by some all-reduce yet (the root's forward, or a first unshard)
-        self._local_amax = torch.zeros(n, dtype=torch.float32, device=group.device)
+        self._local_amax = torch.zeros(n, dtype=torch.float32, device=device)
         self.quantisations = 0  # tests: one per gather
+        w = group.weights
+        pieces = [group.layout.piece(i, w.rank) for i in range(n)]
+        self._pieces = native.Segments([p.shard_offset for p in pieces], [p.numel for p in pieces])
+        self._slots = native.Segments([s.offset for s in group.layout.slots], [s.numel for s in group.layout.slots])
 
     def local_amax(self) -> torch.Tensor:
         """Max |w| over this rank's rows of each parameter (0 for an empty piece), computed from
-        the current main shard on the device at every call (the root's forward)."""
+        the current main shard on the device at every call (the root's forward). ``aminmax``
+        reads the piece once with no temporary (``abs().max()`` writes an |w| copy first); the
+        larger magnitude of its two ends is exactly max |w|, NaN included."""
         g = self.group
         with torch.no_grad():
             for i in range(len(g.layout.slots)):
                 piece = g.weights.piece_view(g.main_weight, i)
                 if piece.numel():
-                    self._local_amax[i] = piece.abs().max()
+                    lo, hi = torch.aminmax(piece)
+                    torch.maximum(lo.abs(), hi.abs(), out=self._local_amax[i])
                 else:
                     self._local_amax[i] = 0.0
         return self._local_amax
@@ -77,15 +90,8 @@ class Float8Gather:
         self.agreed = True
 
     def _quantise(self) -> None:
-        g = self.group
-        q = self.bytes.shard.view(self.dtype)
-        with torch.no_grad():
-            q.zero_()  # padding
-            for i in range(len(g.layout.slots)):
-                src = g.weights.piece_view(g.main_weight, i)
-                if src.numel():
-                    dst = g.weights.piece_view(q, i)
-                    dst.copy_((src.float() * self.scales[i]).clamp_(-self.max, self.max))
+        with torch.no_grad():  # padding bytes are 0
+            native.quantise_fp8(self.group.main_weight, self.bytes.shard, self._pieces, self.scales, self.dtype)
         self.quantisations += 1
 
     def all_gather(self, allocator, key, label: str) -> CommHandle:
@@ -106,11 +112,8 @@ class Float8Gather:
             h.wait()
             w = g.weights
             w.materialize(allocator, key)
-            q = self.bytes._writer.view(self.dtype)
             with torch.no_grad():
-                for i, slot in enumerate(g.layout.slots):
-                    src = q[slot.offset : slot.offset + slot.numel]
-                    w._writer[slot.offset : slot.offset + slot.numel].copy_(src.to(torch.float32).div_(self.scales[i]))
+                native.dequantise_fp8(self.bytes._writer, w._writer, self._slots, self.scales, self.dtype)
             self.bytes.free_unsharded()
 
         return CommHandle(then=dequantise, inner=h, label=label)  # inner: settle() sees the gather's work

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .allocator import BucketAllocator
 from .comm import CommHandle
+from .grad_buckets import BucketMemberHandle, GradientBuckets
 from .te import detach_main_grads
 from .tensor_parallel import local_grad
 
@@ -37,6 +38,8 @@ class _PendingReduce:
     all_reduce: bool  # HSDP: all-reduce ``out`` across replicas when the shard-group part is done
     op: object  # the replicate all-reduce's op
     stage: str = "rs"  # "rs": the shard-group collective is in flight; "ar": the replicate all-reduce
+    bucket: object = None  # a grad_buckets bucket: the reduction is its share of a bucketed all-reduce
+    buckets: Optional[GradientBuckets] = None
 
 
 class GradientReduction:
@@ -144,18 +147,47 @@ class GradientReduction:
         self.fused_full = None
         return has_grad
 
-    def reduce_grads(self, allocator: BucketAllocator, key, label: str = "") -> None:
+    def _bucket_comm(self):
+        """The communicator of the one all-reduce that reduces this group when that all-reduce may
+        share a bucket with other groups' (:mod:`mfsdp2.grad_buckets`): full-gradient strategies
+        with a single stage -- ZeRO-1 over its shard group, no_shard over the replicas. None for
+        two-stage reductions (HSDP ZeRO-1, an HSDP partial sum waiting), TE's fused buffers and
+        groups with nobody to reduce with."""
+        if not self.full_grads or self.fused_full is not None or self.partial is not None:
+            return None
+        if self.replicate_comm is None:
+            comm = self.comm
+        elif self.comm.world_size == 1 and self.requires_all_reduce:
+            comm = self.replicate_comm
+        else:
+            return None
+        return comm if comm.world_size > 1 else None
+
+    def reduces_in_bucket(self, buckets: Optional[GradientBuckets]) -> bool:
+        """Whether :meth:`reduce_grads` with these ``buckets`` packs into a shared bucket."""
+        return buckets is not None and buckets.enabled and self._bucket_comm() is not None
+
+    def reduce_grads(self, allocator: BucketAllocator, key, label: str = "", buckets: Optional[GradientBuckets] = None) -> bool:
         """Pack the unsharded grads into a flat buffer and issue its reduction (async).
 
         Parameters with no local gradient contribute zeros so every rank issues the same
         collective; call :meth:`finish_reduce` to accumulate the result into ``main_grad``.
         Sharded-gradient strategies reduce-scatter over the shard group; full-gradient ones
-        all-reduce; HSDP then all-reduces across replicas in :meth:`finish_reduce`."""
+        all-reduce; HSDP then all-reduces across replicas in :meth:`finish_reduce`.
+
+        With ``buckets`` (the root's :class:`~mfsdp2.grad_buckets.GradientBuckets`, enabled) a
+        single-stage all-reduce packs into a slice of a shared bucket instead, issued with the
+        bucket's other members; returns True then (the caller leaves its completion to the
+        buckets), False when the group issued a collective of its own."""
         if not self.requires_grad:
-            return
+            return False
         self.finish_reduce(allocator)  # one reduction per group in flight
         layout = self.layout
         prescale, op, replicate_op = self._reduce_ops()
+        comm = self._bucket_comm() if self.reduces_in_bucket(buckets) else None
+        if comm is not None:
+            self._reduce_into_bucket(buckets, comm, op if comm is self.comm else replicate_op, prescale, key, label)
+            return True
         all_reduce = self.replicate_comm is not None and self.requires_all_reduce
         # Nothing accumulated is visible (every grad None: first reduction since zero_grad), the
         # dtypes match, no HSDP partial sum waits and the main grad is compute memory (not CPU
@@ -184,10 +216,40 @@ class GradientReduction:
                     out = self.main_grad
                 else:
                     out = allocator.allocate(("rs_out", key), layout.shard_numel, self.reduce_dtype, self.device)
-                n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, op)
+                n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, op, full.element_size())
                 scratch = allocator.allocate(("rs_recv", key), n_scratch, self.reduce_dtype, self.device) if n_scratch else None
                 handle = self.weights.reduce_scatter(full, out, op, scratch, label)
         self._pending_reduce = _PendingReduce(handle, direct, out, tuple(has_grad), key, all_reduce, replicate_op)
+        return False
+
+    def _reduce_into_bucket(self, buckets: GradientBuckets, comm, op, prescale: Optional[float], key, label: str) -> None:
+        """Pack into this group's slice of a bucket (see :meth:`reduce_grads`). Direct when, as in
+        the unbucketed path, nothing accumulated is visible and the dtypes match: the slice then
+        *is* the main gradient from now on (no copy); otherwise the reduced slice is added into
+        the main gradient when the bucket is done."""
+        direct = (
+            self.reduce_dtype == self.grad_dtype
+            and self.main_grad is None
+            and all(dp.grad is None for dp in self.dist_params)
+        )
+        lane = (id(comm), self.reduce_dtype, self.device, self.divide_factor, self.force_sum)
+        bucket, full = buckets.reserve(self, lane, comm, op, self.layout.total_numel, self.reduce_dtype, self.device, label)
+        with torch.no_grad():
+            has_grad = self._pack(full, prescale)
+        if direct:
+            self.main_grad_full = full
+            self.main_grad = self.weights.local_slice(full)
+            self._main_grad_bucket = (buckets, bucket)
+        self._pending_reduce = _PendingReduce(
+            BucketMemberHandle(buckets, bucket), direct, full, tuple(has_grad), key, False, op,
+            stage="ar", bucket=bucket, buckets=buckets,
+        )
+        buckets.packed(bucket)
+
+    @property
+    def reduce_bucket(self):
+        """The bucket holding this group's pending reduction (None: none, or its own collective)."""
+        return self._pending_reduce.bucket if self._pending_reduce is not None else None
 
     # -- main grads ---------------------------------------------------------------------------
     def _main_grad_key(self) -> tuple:
@@ -227,11 +289,25 @@ class GradientReduction:
             return
         if any(dp.grad is not None for dp in self.dist_params):
             return  # grads kept (zero_grad(set_to_none=False) or accumulation across steps)
+        self.drop_main_grad()
+
+    def drop_main_grad(self) -> Optional[BucketAllocator]:
+        """Give the main gradient back -- to the allocator, or to the bucket whose slice it is --
+        and return the allocator it came from (None: there was none, or it was an offloaded
+        group's host block, which the group keeps)."""
+        if self.main_grad is None:
+            return None
         self.main_grad = None
         self.main_grad_full = None
-        if self._main_grad_alloc is not None:  # None: the offloaded host block, kept for reuse
-            self._main_grad_alloc.free(self._main_grad_key())
-            self._main_grad_alloc = None
+        if self._main_grad_bucket is not None:
+            buckets, bucket = self._main_grad_bucket
+            self._main_grad_bucket = None
+            buckets.release(bucket, self)
+            return buckets.allocator
+        alloc, self._main_grad_alloc = self._main_grad_alloc, None
+        if alloc is not None:  # None: the offloaded host block, the group's own, kept for reuse
+            alloc.free(self._main_grad_key())
+        return alloc
 
     def _partial_key(self) -> tuple:
         return ("partial", self.unit_name, self.name)
@@ -256,7 +332,9 @@ class GradientReduction:
         if self._pending_reduce is not None:
             p = self._pending_reduce
             self._pending_reduce = None
-            if p.handle.settle():
+            if p.bucket is not None:
+                self._abort_bucketed(p)
+            elif p.handle.settle():
                 self._free_reduce_buffers(allocator, p.key)
                 self._free_out(allocator, p)
             else:
@@ -266,6 +344,23 @@ class GradientReduction:
             self._free_reduce_buffers(allocator, self.fused_key)
         for up in self.unsharded_params:
             up.grad = None
+
+    def _abort_bucketed(self, p: _PendingReduce) -> None:
+        """Drop a reduction pending in a bucket: its slice was this step's partial sum (never
+        exposed); a bucket whose collective may still run is leaked whole."""
+        if p.handle.settle():
+            if p.direct:
+                self.drop_main_grad()
+            else:
+                p.buckets.release(p.bucket, self)
+            return
+        p.buckets.leak(p.bucket, f"the {p.handle.label or 'bucketed all-reduce'} failed and may still be running")
+        if p.direct:
+            self.main_grad = None
+            self.main_grad_full = None
+            self._main_grad_bucket = None
+            for dp in self.dist_params:
+                dp.grad = None
 
     def _leak_reduce_buffers(self, allocator: BucketAllocator, p: _PendingReduce) -> None:
         """Every buffer the unfinished reduction ``p`` may still read or write: its input, receive
@@ -335,7 +430,11 @@ class GradientReduction:
                 out.div_(self._post_divisor())
             if not p.direct:
                 self._accumulate(allocator, out)
-            self._free_out(allocator, p)
+            if p.bucket is not None:
+                if not p.direct:  # its slice was scratch: the bucket may go back
+                    p.buckets.release(p.bucket, self)
+            else:
+                self._free_out(allocator, p)
         self.local_grad_flags = [a or b for a, b in zip(self.local_grad_flags, p.has_grad)]
         self.expose_grads(p.has_grad)
         self.run_post_accumulate_grad_hooks(p.has_grad)

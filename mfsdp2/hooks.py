@@ -20,12 +20,15 @@ final backward callback.
 * **root's pre-forward** additionally releases cleared main grads and, when some groups keep
   persistent weights or gather in FP8, agrees across ranks on which must be regathered and on the
   FP8 scales (one small all-reduce for the whole model).
-* **post-backward** (backward of :class:`_PostBackward`): pack gradients, issue the async
-  reduction, keep at most two units' reductions in flight (sliding drain; HSDP's all-reduce
-  across replicas is a second stage with its own queue), reshard.
+* **post-backward** (backward of :class:`_PostBackward`): reshard, finish the previous unit's
+  reduction (one reduction input alive at a time, FSDP2's default; HSDP's all-reduce across
+  replicas is a second stage with its own queue), pack gradients, issue the async reduction. Full-gradient strategies
+  (no_shard, ZeRO-1) pack into a shared bucket instead (:mod:`mfsdp2.grad_buckets`), issued when
+  full and finished by the buckets, never by the sliding drain (which would issue every bucket
+  after one unit).
 * **final callback** (queued on the autograd engine): reduce what no hook reduced (units whose
-  inputs need no grad, like the root; unused outputs), drain every reduction, reshard everything,
-  and fail loudly if a unit is still mid-forward.
+  inputs need no grad, like the root; unused outputs), issue the open buckets, drain every
+  reduction, reshard everything, and fail loudly if a unit is still mid-forward.
 """
 
 from __future__ import annotations
@@ -146,7 +149,8 @@ def lazy_init(state: FSDPState) -> None:
             raise RuntimeError(
                 f"mfsdp2: the parameters of {meta} are still on the meta device (the model was built "
                 "under torch.device('meta')); call mfsdp2.materialize(model) after fully_shard and "
-                "before the first forward and before building the optimizer"
+                "before the first forward (or FSDP2's recipe: model.to_empty(device=...), then "
+                "reset_parameters() on each module)"
             )
         if s is not state and s.allocator_spec is not None and s.allocator_spec is not state.allocator_spec:
             raise ValueError(
@@ -427,14 +431,22 @@ class _PostBackward(torch.autograd.Function):
 def post_backward(state: FSDPState) -> None:
     ctx = state.ctx
     event_log.record("backward_end", state.name)
+    # The gathered weights go back before the gradients are packed (FSDP2's order): the flat
+    # gradient buffer never coexists with this unit's weights.
+    if state.reshard_after_backward:
+        reshard(state)
     if state.requires_gradient_sync:
         with trace_range(f"mfsdp2.reduce_grad {state.name}"):
+            reducing = [(i, g) for i, g in enumerate(state.groups) if g.requires_grad and g.has_unsharded_grads()]
+            if any(not g.reduces_in_bucket(ctx.buckets) for _, g in reducing):
+                # At most max_reduce_in_flight reduction inputs alive, this unit's included (FSDP2's
+                # set_reduce_scatter_max_input_buffers; default 1): finish older ones first.
+                _drain(ctx, keep=state.max_reduce_in_flight - 1, keep_allreduce=state.max_reduce_in_flight)
             issued = False
-            for i, g in enumerate(state.groups):
-                if g.requires_grad and g.has_unsharded_grads():
-                    label = f"reduce-scatter of unit {state.name!r} ({g.name}, step {ctx.step})"
-                    g.reduce_grads(ctx.allocator, (state.name, i), label)
-                    issued = True
+            for i, g in reducing:
+                label = f"reduce-scatter of unit {state.name!r} ({g.name}, step {ctx.step})"
+                if not g.reduce_grads(ctx.allocator, (state.name, i), label, ctx.buckets):
+                    issued = True  # its own collective (a bucketed one is finished by the buckets)
             if issued:
                 event_log.record("rs_issue", state.name)
                 for q in (ctx.reduce_queue, ctx.allreduce_queue):
@@ -446,30 +458,35 @@ def post_backward(state: FSDPState) -> None:
         for g in state.groups:
             if g.requires_grad:
                 g.accumulate_unsynced()
-    if state.reshard_after_backward:
-        reshard(state)
     state.post_backward_done = True
     state.training_state = TrainingState.POST_BACKWARD
 
 
-def _drain(ctx: RootContext, keep: int) -> None:
-    """Advance the oldest in-flight reductions until at most ``keep`` remain in each stage: a
-    unit whose shard-group reduction finishes moves on to its all-reduce across replicas (HSDP),
-    which is finished in turn when more than ``keep`` of those are in flight."""
+def _drain(ctx: RootContext, keep: int, keep_allreduce: Optional[int] = None) -> None:
+    """Advance the oldest in-flight reductions until at most ``keep`` remain in the first stage
+    (``keep_allreduce``, default ``keep``, in the second): a unit whose shard-group reduction
+    finishes moves on to its all-reduce across replicas (HSDP), which is finished in turn when
+    more than ``keep_allreduce`` of those are in flight. The second stage's buffers are the
+    shard-size outputs, so it may keep more in flight than the first, whose inputs are full-size."""
+    if keep_allreduce is None:
+        keep_allreduce = keep
     while len(ctx.reduce_queue) > keep:
         s = ctx.reduce_queue.pop(0)
         with trace_range(f"mfsdp2.finish_reduce {s.name}"):
-            done = [g.advance_reduce(ctx.allocator) for g in s.groups]
+            # A group whose reduction waits in a bucket is the buckets' to finish: waiting here
+            # would issue its bucket before the bucket's other members are packed.
+            done = [g.advance_reduce(ctx.allocator) if g.reduce_bucket is None else True for g in s.groups]
         if all(done):
             event_log.record("rs_done", s.name)
         else:
             event_log.record("ar_issue", s.name)
             ctx.allreduce_queue.append(s)
-    while len(ctx.allreduce_queue) > keep:
+    while len(ctx.allreduce_queue) > keep_allreduce:
         s = ctx.allreduce_queue.pop(0)
         with trace_range(f"mfsdp2.finish_all_reduce {s.name}"):
             for g in s.groups:
-                g.finish_reduce(ctx.allocator)
+                if g.reduce_bucket is None:
+                    g.finish_reduce(ctx.allocator)
         event_log.record("ar_done", s.name)
 
 
@@ -530,7 +547,10 @@ def _final_callback(ctx: RootContext) -> None:
                     for g in s.groups:
                         if g.requires_grad:
                             g.accumulate_unsynced()
+            ctx.buckets.flush()  # buckets whose last planned member never came are issued as they are
+            ctx.buckets.end_backward()
             if ctx.root.is_last_backward:  # else (set_is_last_backward(False)) they stay in flight
+                ctx.buckets.complete_all()
                 _drain(ctx, keep=0)
                 _sync_grad_presence(ctx)
             pending = []
@@ -575,6 +595,7 @@ def reset(ctx: RootContext) -> None:
         s.expect_backward = False
     ctx.reduce_queue.clear()
     ctx.allreduce_queue.clear()
+    ctx.buckets.abort()
     ctx.callback_queued = False
     ctx.schedule.abandon_pass()
     event_log.record("reset", ctx.root.name)

@@ -143,9 +143,12 @@ class BufferLayout:
         if slot.numel == 0 or slot.row_numel == 0 or S == 0:  # rows of zero elements: piece() decides
             return tuple(self.piece(param_index, r).num_rows for r in range(self.world_size))
         rows = [0] * self.world_size
-        first, last = slot.offset // S, min((slot.offset + slot.numel - 1) // S, self.world_size - 1)
-        for r in range(first, last + 1):
-            rows[r] = self.piece(param_index, r).num_rows
+        off, end, row = slot.offset, slot.offset + slot.numel, slot.row_numel
+        first, last = off // S, min((end - 1) // S, self.world_size - 1)
+        # piece(): rank r holds rows [edge(r), edge(r + 1)) with edge(r) = (clamp(r S) - off) // row.
+        # One comprehension over the overlapping ranks (a unit of a 405B layer overlaps all 1024).
+        edges = [(min(max(r * S, off), end) - off) // row for r in range(first, last + 2)]
+        rows[first : last + 1] = [b - a for a, b in zip(edges, edges[1:])]
         return tuple(rows)
 
     def describe(self) -> str:

@@ -1,9 +1,10 @@
 """Meta-device initialisation: build a model under ``torch.device("meta")``, ``fully_shard`` it,
 then :func:`materialize` it -- no rank ever holds the full model.
 
-Why this shape: ``fully_shard`` only needs parameter *shapes* to plan the layout and allocate this
-rank's shards, so it accepts a meta model and leaves the shards unfilled. :func:`materialize` then
-walks the modules in registration order (which is construction order for ordinary models) and, for
+Why this shape: ``fully_shard`` only needs parameter *shapes* to plan the layout, so it accepts a
+meta model and, as torch FSDP2 does, leaves its sharded parameters (and every per-rank buffer
+behind them) on the meta device: no bytes until the model is initialised. :func:`materialize`
+allocates this rank's shards on the mesh's device, then walks the modules in registration order (which is construction order for ordinary models) and, for
 one module at a time, gives its own parameters real full-size tensors, runs its
 ``reset_parameters()`` (or the user's ``init_fn(module)``), copies this rank's rows into the main
 weights and drops the full tensors. At most one module's parameters exist in full at any moment.
@@ -56,6 +57,8 @@ def materialize(model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]]
     if not owned:
         return
     device = next(g for slots in owned.values() for g, _, _ in slots).device
+    for g in {id(g): g for slots in owned.values() for g, _, _ in slots}.values():
+        g.allocate()  # this rank's shards: on the meta device until now
     done = []
     for name, m in model.named_modules():
         # Buffers built on the meta device get real memory (init_fn / reset_parameters fill them).

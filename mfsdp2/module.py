@@ -242,9 +242,10 @@ class FSDPModule:
                       "reduced as zeros in mfsdp2 (same collectives on every rank)")
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """How many reductions may stay in flight after this unit issues its own (default 1:
-        issuing one finishes the oldest). Each in-flight reduction holds its own flat gradient
-        buffer from the allocator, so a larger value trades memory for overlap with backward."""
+        """How many reduction inputs may be alive at once, this unit's included (FSDP2's meaning;
+        default 1: the previous unit's reduction is finished before this unit packs its
+        gradients, and its own overlaps the next unit's backward). Each holds a flat gradient
+        buffer from the allocator, so a larger value trades memory for more overlap."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(f"mfsdp2: max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
@@ -334,6 +335,17 @@ class FSDPModule:
         if depth < 0:
             raise ValueError(f"prefetch depth must be >= 0, got {depth}")
         state.ctx.schedule.prefetch_depth = depth
+
+    def set_all_reduce_bucket_cap_mb(self, mb: float) -> None:
+        """Bucket size, in MiB, of the gradient all-reduces of the full-gradient strategies
+        (``no_shard``, ZeRO-1 ``optim``): consecutive units' gradients, in backward order, are
+        all-reduced together up to this size (root only; default 25, torch DDP's
+        ``bucket_cap_mb``). 0 turns bucketing off: every unit all-reduces its own gradients as
+        soon as they are packed. Takes effect from the second backward after the call (the first
+        records the order the buckets are planned from). See :mod:`mfsdp2.grad_buckets`."""
+        state = self._mfsdp2_state
+        lazy_init(state)
+        state.ctx.buckets.set_cap_mb(mb)
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes the runtime owns on this rank for the units under this root.

@@ -56,7 +56,7 @@ from .weight_watch import fingerprint, watch
 from .te import fuses_wgrad  # TE's attribute protocol; TE itself is never imported
 from .tensor_parallel import TPSpec, tp_dp_mesh, tp_dtensor
 
-__all__ = ["ParamInfo", "GroupConfig", "ParameterGroup"]
+__all__ = ["ParamInfo", "GroupConfig", "ParameterGroup", "swap_param"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,19 @@ _LIVE = weakref.WeakSet()  # every ParameterGroup alive in the process (clip_gra
 def live_groups() -> list["ParameterGroup"]:
     """The parameter groups alive in this process (a parameter's group is found among them)."""
     return list(_LIVE)
+
+
+def swap_param(old: nn.Parameter, new: nn.Parameter) -> None:
+    """Give the parameter object ``old`` (held by modules, optimizers, user code) ``new``'s
+    contents, keeping its identity, its attributes and those of its local tensor (DCP's
+    write-nothing mark of an empty piece)."""
+    attrs = dict(old.__dict__)
+    if isinstance(old, DTensor) and isinstance(new, DTensor):
+        new._local_tensor.__dict__.update(old._local_tensor.__dict__)
+    old.grad = None  # a .grad reference blocks swap_tensors
+    torch.utils.swap_tensors(old, new)
+    old.__dict__.clear()
+    old.__dict__.update(attrs)
 
 
 class ParameterGroup(GradientReduction):
@@ -138,20 +151,17 @@ class ParameterGroup(GradientReduction):
         # ``layout``: keep an existing group's rows (a dtype conversion after fully_shard, see conversion.py).
         self.layout = layout or plan_layout([tuple(p.shape) for p in params], comm.world_size, align=max(16 // itemsize, 1))
 
-        S = self.layout.shard_numel
-        # Main and model weights may share memory: same dtype, and the main state is not offloaded.
-        same = self.main_dtype == self.compute_dtype and not self.main.offloaded
         self.persistent = not config.strategy.shards_params
-        if self.persistent:
-            # Full model weights for the buffer's life; the main weights are its local slice
-            # when they can share it (one copy of this rank's rows, not two).
-            self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, comm, persistent=True)
-            self.main_weight = self.weights.shard if same else self.main.zeros(S, self.main_dtype)
-        else:
-            self.main_weight = self.main.zeros(S, self.main_dtype)
-            self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, comm, shard=self.main_weight)
-        # main -> model copy into a persistent buffer's slice; ZeRO-3 copies inside each gather instead
-        self._needs_cast = not same and self.persistent
+        # Main and model weights may share memory: same dtype, and the main state not offloaded.
+        self._shares_main = self.main_dtype == self.compute_dtype and not self.main.offloaded
+        # main -> model copy into a persistent buffer's slice; ZeRO-3 copies (and casts) inside each gather instead
+        self._needs_cast = not self._shares_main and self.persistent
+        # Built under torch.device("meta"): the layout needs shapes only. Like torch FSDP2, the
+        # per-rank buffers (and so the DTensor parameters) stay on the meta device -- no bytes
+        # -- until mfsdp2.materialize(model) or model.to_empty(device=...) allocates them
+        # (:meth:`allocate`); the values come from the init that follows.
+        self.needs_init = params[0].is_meta
+        self._build_buffers(torch.device("meta") if self.needs_init else device)
         # Persistent weights: the ranks' agreed answer to "did the weights change on any rank since
         # the last gather" (set at the root's forward, see hooks._agree_on_gathers).
         self.agreed_stale = False
@@ -162,9 +172,6 @@ class ParameterGroup(GradientReduction):
         # through ``.data``; costs one host read per forward). Off: host signals only, agreed on
         # the CPU (``FSDPModule.set_detect_data_writes``).
         self.content_check = True
-        self.fp8 = None
-        if config.fp8:
-            self.fp8 = Float8Gather(self, config.fp8)
 
         self._cast_pending = False  # the model shard lags the main weights: cast at the next gather
         self.casts = 0  # main -> model casts into a persistent buffer (tests: once per optimizer step)
@@ -175,6 +182,7 @@ class ParameterGroup(GradientReduction):
         self.fused_full: Optional[torch.Tensor] = None  # TE wgrad fusion: param.main_grad views into it
         self.fused_key = None  # its allocator key's suffix (the unit's reduction key)
         self._main_grad_alloc: Optional[BucketAllocator] = None
+        self._main_grad_bucket = None  # (buckets, bucket) when main_grad_full is a bucket's slice (grad_buckets)
         self._main_grad_host: Optional[torch.Tensor] = None  # CPU offload: the main grad's host memory
         self.copy_outs = 0  # CPU offload: reductions copied out into the main grad (tests)
         self.dist_params: list[nn.Parameter] = []
@@ -190,9 +198,6 @@ class ParameterGroup(GradientReduction):
         # Which parameters had a local gradient in this backward's reductions (see expose_grads).
         self.local_grad_flags = [False] * len(params)
 
-        # Built under torch.device("meta"): the layout needs shapes only; the values come from
-        # mfsdp2.materialize(model), one module at a time.
-        self.needs_init = params[0].is_meta
         with torch.no_grad():
             for i, p in enumerate(params if not self.needs_init else []):
                 piece = self.weights.piece_view(self.main_weight, i)
@@ -205,6 +210,47 @@ class ParameterGroup(GradientReduction):
         self.weights.free_unsharded()
         self.refresh_model_shard()
         watch(self)
+
+    # -- memory ------------------------------------------------------------------------------
+    def _build_buffers(self, device: torch.device) -> None:
+        """The main-weight shard, the model-weight buffer and FP8's bytes, on ``device`` (meta:
+        shapes only). The main weights live in the group's main memory: the compute device, or
+        (pinned) host memory under CPU offload (:mod:`mfsdp2.offload`) -- meta too while the
+        group awaits its init."""
+        S = self.layout.shard_numel
+        main = MainMemory(device) if device.type == "meta" else self.main
+        if self.persistent:
+            # Full model weights for the buffer's life; the main weights are its local slice
+            # when they can share it (one copy of this rank's rows, not two).
+            self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, self.comm, persistent=True)
+            self.main_weight = self.weights.shard if self._shares_main else main.zeros(S, self.main_dtype)
+        else:
+            self.main_weight = main.zeros(S, self.main_dtype)
+            self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, self.comm, shard=self.main_weight)
+        self.fp8 = Float8Gather(self, self.config.fp8) if self.config.fp8 else None
+
+    @property
+    def allocated(self) -> bool:
+        """False while the group's buffers are on the meta device (a model built there)."""
+        return not self.main_weight.is_meta
+
+    def allocate(self) -> None:
+        """Give a group built on the meta device its per-rank memory (zeros): model weights on the
+        mesh's device, main weights in its main memory (pinned host memory under CPU offload).
+        Called by ``mfsdp2.materialize`` and ``model.to_empty``. The DTensor parameter objects keep
+        their identity (an optimizer built before holds them) and get views of the new shard."""
+        if self.allocated:
+            return
+        self._build_buffers(self.device)
+        views = self.weights.param_views()
+        for i, dp in enumerate(self.dist_params):
+            local = self.weights.piece_view(self.main_weight, i)
+            swap_param(dp, nn.Parameter(self.as_dtensor(local, i, dp.shape), requires_grad=dp.requires_grad))
+            spec = self.tp_specs[i]
+            unsharded = tp_dtensor(views[i], spec) if spec is not None else views[i]
+            self.unsharded_params[i] = nn.Parameter(unsharded, requires_grad=self.unsharded_params[i].requires_grad)
+        self.weights.free_unsharded()
+        self.refresh_model_shard()
 
     # -- parameters ---------------------------------------------------------------------------
     def _make_params(self, params: list[nn.Parameter]) -> None:
@@ -302,23 +348,34 @@ class ParameterGroup(GradientReduction):
             return one
         return (fingerprint(self.main_weight) != self._gathered_fp).any().to(one.dtype)
 
+    @property
+    def fingerprinted(self) -> bool:
+        """Persistent weights whose content is compared at each root forward (a write through
+        ``.data`` bumps no counter). Not when the module computes with the main weights' own
+        memory -- ``no_shard`` with equal main and compute dtypes: a shard group of one rank, the
+        main weights *are* the full buffer -- where such a write is what the module reads anyway
+        and nothing is re-cast or re-gathered: the fingerprint (a pass over all weights per
+        step) would buy nothing."""
+        return self.persistent and self.content_check and (self.comm.world_size > 1 or self._needs_cast)
+
     def host_changed(self) -> bool:
         """A change this rank's host knows of: a step, an announced write, a moved version counter."""
         return self.changed or self.main_version() != self.gathered_version
 
     @property
     def compares_on_device(self) -> bool:
-        """Whether the content check's fingerprint is compared on the compute device (agreed over
-        the device group); offloaded main weights are fingerprinted on the host instead."""
-        return self.content_check and not self.main.offloaded
+        """Whether the content fingerprint is compared on the compute device (agreed over the
+        device group): :attr:`fingerprinted` groups whose main weights are compute memory.
+        Offloaded main weights (host memory) are fingerprinted on the host (:meth:`host_flag`)."""
+        return self.fingerprinted and not self.main.offloaded
 
     def host_flag(self) -> bool:
         """What this rank's host can tell without reading device memory: :meth:`host_changed`,
-        and, for main weights in host memory (CPU offload) under the content check, whether the
+        and, for :attr:`fingerprinted` main weights in host memory (CPU offload), whether the
         main shard's fingerprint moved (a CPU computation)."""
         if self.host_changed():
             return True
-        if not (self.main.offloaded and self.content_check):
+        if not (self.main.offloaded and self.fingerprinted):
             return False
         return self._gathered_fp is None or bool((fingerprint(self.main_weight) != self._gathered_fp).any())
 
@@ -343,7 +400,7 @@ class ParameterGroup(GradientReduction):
         self._cast_pending = self._needs_cast  # the next gather happens because the main weights changed
         self.gathered_version = self.main_version()
         self.changed = self.agreed_stale = False
-        if self.persistent and self.content_check:
+        if self.fingerprinted:
             self._gathered_fp = fingerprint(self.main_weight)
         with torch.no_grad():
             if self.fp8 is not None:

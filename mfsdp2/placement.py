@@ -45,7 +45,7 @@ class RowShard(Shard):
 
     def __init__(self, dim: int, rows: Sequence[int]):
         super().__init__(dim)
-        self.rows = tuple(int(r) for r in rows)
+        self.rows = tuple(map(int, rows))  # one entry per rank: built in C (1024 per parameter at 1024 ranks)
         self.starts = (0,) + tuple(itertools.accumulate(self.rows))[:-1] if self.rows else ()
         # Not Shard's hash (the dim alone): process-wide DTensor caches must keep a decision made
         # for a torch.chunk split apart from ours, and ours apart per row split. Computed once:

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .allocator import BucketAllocator
 from .trace_pool import make_allocator
 from .comm import Communicator
+from .grad_buckets import GradientBuckets
 from .mixed_precision import MixedPrecisionPolicy
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ class FSDPState:
         self.forward_to_run: set[int] = set()  # ids of the modules whose forward is still to come
         self.forward_pass = None  # hooks._ForwardPass of the latest grad-enabled forward pass
         self.unshard_in_backward = True  # False: backward needs none of the weights (set_unshard_in_backward)
-        # Reductions left in flight after issuing this unit's (set_reduce_scatter_max_input_buffers).
+        # Reduction inputs alive at once, this unit's included (set_reduce_scatter_max_input_buffers).
         self.max_reduce_in_flight = 1
 
     def __repr__(self) -> str:
@@ -122,6 +123,9 @@ class RootContext:
         self.callback_queued = False
         self.reduce_queue: list[FSDPState] = []  # units with a reduce-scatter in flight, oldest first
         self.allreduce_queue: list[FSDPState] = []  # HSDP: units whose all-reduce across replicas is in flight
+        # Full-gradient strategies' all-reduces, bucketed across units (grad_buckets.py); their
+        # units never enter reduce_queue for those groups.
+        self.buckets = GradientBuckets(allocator, root.name)
         self.step = 0
         # set_post_optim_event: the next root forward makes the current stream wait on it first.
         self.post_optim_event = None

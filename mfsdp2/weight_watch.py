@@ -34,9 +34,8 @@ logger = logging.getLogger(__name__)
 _groups: "weakref.WeakSet" = weakref.WeakSet()
 _hook_handle = None
 
-# Elements per step of the fingerprint: bounds its int64 temporaries (2 x 8 bytes per element,
-# 64 MiB at this size) while keeping the kernel count per shard small.
-_CHUNK = 1 << 22
+# Columns of the (rows, columns) view the fingerprint weights by position.
+_COLS = 1024
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -51,24 +50,37 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """A device-side digest of ``t``'s bits: ``[sum w_i, sum (i+1) w_i]`` over its integer words
-    ``w_i``, in int64 arithmetic wrapping modulo 2^64 (what CPU and CUDA integer kernels do;
-    modular sums are exact, so the result does not depend on the reduction order).
+    """A device-side digest of ``t``'s bits. Its integer words ``w`` are viewed as a matrix of
+    ``_COLS`` columns (the tail words as one more, shorter row); the digest is
+    ``[sum w, sum_r (r+1) R_r, sum_c (c+1) C_c]`` with ``R_r`` / ``C_c`` the row / column sums, all in
+    int32 arithmetic wrapping modulo 2^32 (what CPU and CUDA integer kernels do; modular sums are
+    exact, so the result does not depend on the reduction order).
 
-    Why this and not a float sum: a write of different values changes some word by a nonzero
-    ``d`` with ``|d| < 2^33``, so a single changed word always changes the first sum, and several
-    changed words go unseen only if both sums cancel at once -- never for one element, vanishingly
-    rarely otherwise -- whereas a float sum loses small changes to rounding. One elementwise pass,
-    no host read: the comparison with the previous fingerprint stays on the device until the
-    agreement all-reduce."""
+    Why this and not a float sum: a write of different values changes some word by a nonzero ``d``
+    with ``|d| < 2^32``, so a single changed word always changes the first sum; two words swapped
+    move between rows or columns and change the weighted sums; several changed words go unseen
+    only if all three cancel at once. Why int32 and row / column sums rather than one sum weighted
+    by each word's position: an int64 position-weighted sum needs an int64 temporary per element
+    and runs at about a hundredth of the speed of an int32 sum on CPU (180 ms vs 1.3 ms for the 8.4M
+    words of one mlp unit, measured), and persistent strategies pay it at every gather: it made
+    ``no_shard`` slower than DDP. Three reduction passes over the words, no host read: the
+    comparison with the previous fingerprint stays on the device until the agreement all-reduce."""
     words = _words(t)
-    out = torch.zeros(2, dtype=torch.int64, device=t.device)
-    for lo in range(0, words.numel(), _CHUNK):
-        w = words[lo : lo + _CHUNK]
-        pos = torch.arange(lo + 1, lo + 1 + w.numel(), dtype=torch.int64, device=t.device)
-        out[0] += w.sum(dtype=torch.int64)
-        out[1] += (w.to(torch.int64) * pos).sum()
-    return out
+    n = words.numel()
+    rows = n // _COLS
+    main = words[: rows * _COLS].view(rows, _COLS)
+    tail = words[rows * _COLS :]
+    i32 = torch.int32
+    row_sums = main.sum(dim=1, dtype=i32)
+    col_sums = main.sum(dim=0, dtype=i32)
+    tail_sum = tail.sum(dtype=i32)
+    row_w = torch.arange(1, rows + 1, dtype=i32, device=t.device)
+    col_w = torch.arange(1, _COLS + 1, dtype=i32, device=t.device)
+    return torch.stack([
+        row_sums.sum(dtype=i32) + tail_sum,
+        (row_sums * row_w).sum(dtype=i32) + tail_sum * (rows + 1),
+        (col_sums * col_w).sum(dtype=i32) + (tail.to(i32) * col_w[: tail.numel()]).sum(dtype=i32),
+    ])
 
 
 def _on_optimizer_step(optimizer, args, kwargs) -> None:

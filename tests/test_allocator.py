@@ -373,7 +373,9 @@ def test_no_underlying_allocations_in_steady_state(alloc_name):
 def test_transformer_step_trace_plans_within_5_percent_of_lower_bound():
     out = run_ranks(_steady, 2, "trace_pool", "llama")
     for r in out:
-        assert r["n_intervals"] >= 30, r  # 6 layers + root: weights (twice for layers), grads, outputs, scratch
+        # 6 layers + root: weights (twice for layers) and one flat gradient per unit, at least (no
+        # receive scratch at world size 2: the received chunk lands in the output)
+        assert r["n_intervals"] >= 6 * 2 + 1 + 7, r
         assert 1.0 <= r["ratio"] <= 1.05, r
         assert r["counts"][-1] == r["counts"][3], r
 

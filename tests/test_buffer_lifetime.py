@@ -155,6 +155,9 @@ def _failed_reduce(rank, ws):
     model = _model(mesh)
     x = torch.randn(2, 12)
     model(x).sum().backward()  # a normal step first: the allocator exists, main grads are live
+    # Two reduction inputs alive (default one: the first hung reduction would be waited before the
+    # second is issued), so the failure finds two reductions in flight.
+    model.set_reduce_scatter_max_input_buffers(2)
     ctx = model._mfsdp2_state.ctx
     for p in model.parameters():
         p.grad = None  # the next reductions go straight into fresh main grads

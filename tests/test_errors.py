@@ -74,7 +74,9 @@ EXPECTED = {
     "E45": (ValueError, "a container without a forward of its own"),
     "E46": (ValueError, "shards every parameter on dim 0"),
     "E47": (InvalidShardDimError, "shards every parameter on dim 0"),
-    "E48": (ValueError, "all_gather_dtype (FP8 all-gather) with CPUOffloadPolicy for Linear is not supported"),
+    "E48": (ValueError, "all-reduce bucket size must be >= 0 MiB"),
+    "E50": (RuntimeError, "are still on the meta device (the model was built under torch.device('meta')); give them memory first"),
+    "E51": (ValueError, "all_gather_dtype (FP8 all-gather) with CPUOffloadPolicy for Linear is not supported"),
 }
 
 
@@ -123,6 +125,7 @@ def _rows_ws1(rank, ws):
         meta = nn.Linear(3, 3)
     fully_shard(meta, mesh=mesh)  # fine: shapes are all it needs; values come from materialize()
     _capture(out, "E04", lambda: meta(torch.zeros(1, 3)))
+    _capture(out, "E50", lambda: meta.load_state_dict({"weight": torch.ones(3, 3), "bias": torch.ones(3)}))
 
     with torch.device("meta"):
         mixed = nn.Sequential(nn.Linear(3, 3))
@@ -173,7 +176,7 @@ def _rows_ws1(rank, ws):
     _capture(out, "E47", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=lambda p: Shard(1)))
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    _capture(out, "E48", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, mp_policy=fp8, offload_policy=CPUOffloadPolicy()))
+    _capture(out, "E51", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, mp_policy=fp8, offload_policy=CPUOffloadPolicy()))
     replicated = fully_shard(nn.Linear(3, 3), mesh=mesh, sharding_strategy="no_shard")
     _capture(out, "E43", lambda: msd.get_model_state_dict(replicated, options=msd.StateDictOptions(full_state_dict=True)))
     divided = fully_shard(nn.Linear(3, 3), mesh=mesh)
@@ -188,6 +191,7 @@ def _rows_ws1(rank, ws):
 
     net = _sharded_net(mesh)
     _capture(out, "E10", lambda: net.set_prefetch_depth(-1))
+    _capture(out, "E48", lambda: net.set_all_reduce_bucket_cap_mb(-1))
     _capture(out, "E11", lambda: net.set_modules_to_forward_prefetch([nn.Linear(2, 2)]))
 
     net = _sharded_net(mesh)

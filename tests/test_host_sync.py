@@ -13,8 +13,10 @@ and are not counted. The CUDA variant below checks the real thing with
 
 Expected per steady-state step (forward, backward, optimizer step): 0 for ZeRO-3, FP8 all-gather
 and HSDP (which also covers the end-of-backward gradient-presence agreement at world size > 1);
-exactly 1 (the agreed changed-weights flags, ``hooks._agree_on_gathers``) for ZeRO-1/2/no_shard,
-and 0 for them too after ``set_detect_data_writes(False)`` (host facts agreed on the CPU).
+exactly 1 (the agreed changed-weights flags, ``hooks._agree_on_gathers``) for ZeRO-1/2 and for
+no_shard with a compute dtype other than the main weights', 0 for no_shard computing with the main
+weights themselves (nothing to re-gather), and 0 for all of them after
+``set_detect_data_writes(False)`` (host facts agreed on the CPU).
 """
 
 from __future__ import annotations
@@ -72,7 +74,10 @@ CONFIGS = {
     "hsdp": ((2, 2), "optim_grads_params", MixedPrecisionPolicy(), 0),
     "zero2": ((4,), "optim_grads", MixedPrecisionPolicy(), 1),
     "zero1": ((4,), "optim", MixedPrecisionPolicy(param_dtype=torch.bfloat16), 1),
-    "no_shard": ((4,), "no_shard", MixedPrecisionPolicy(), 1),
+    # no_shard computes with the main weights' own memory (equal dtypes, a shard group of one
+    # rank): nothing to fingerprint or re-gather, no read; with a bf16 compute copy it has one.
+    "no_shard": ((4,), "no_shard", MixedPrecisionPolicy(), 0),
+    "no_shard_bf16": ((4,), "no_shard", MixedPrecisionPolicy(param_dtype=torch.bfloat16), 1),
     # set_detect_data_writes(False): host facts only, agreed over the CPU twin group.
     "zero2_no_content_check": ((4,), "optim_grads", MixedPrecisionPolicy(), 0),
     "no_shard_no_content_check": ((4,), "no_shard", MixedPrecisionPolicy(), 0),

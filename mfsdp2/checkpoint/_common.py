@@ -234,6 +234,13 @@ def check_loadable(state, what: str = "load a state dict into") -> None:
     """
     from ..state import ShardState, TrainingState
 
+    meta = [g.name for g in state.groups if not g.allocated]
+    if meta:  # writing into meta shards would drop the values without a word
+        raise RuntimeError(
+            f"mfsdp2: cannot {what} unit {state.name!r}: the parameters of {meta} are still on the "
+            "meta device (the model was built under torch.device('meta')); give them memory first "
+            "with model.to_empty(device=...) (or mfsdp2.materialize(model)), then load"
+        )
     if state.training_state is not TrainingState.IDLE:
         raise RuntimeError(
             f"mfsdp2: cannot {what} unit {state.name!r} mid-forward/backward (its state is "

@@ -246,3 +246,52 @@ def test_copy_from_a_result_computed_from_the_parameter():
     for got, ref in run_ranks(_copy_from_derived, WS):
         for k, v in ref.items():
             assert torch.equal(got[k], v * 0.5 + 1), k
+
+
+def _meta_state(rank, ws):
+    """What each library gives for the same meta-built model after fully_shard, through a dtype
+    conversion, state_dict, a forward and a load before init, and after to_empty."""
+    from torch.distributed.fsdp import fully_shard as torch_shard
+
+    from mfsdp2 import fully_shard as mfsdp2_shard
+
+    mesh = init_device_mesh("cpu", (ws,))
+
+    def params(model):
+        return {k: (type(p).__name__, p.device.type, p.dtype, p.to_local().device.type, tuple(p.shape))
+                for k, p in model.named_parameters()}
+
+    def raises(fn):
+        try:
+            fn()
+        except RuntimeError:
+            return "RuntimeError"
+        return None
+
+    out = {}
+    for name, shard in (("fsdp2", torch_shard), ("mfsdp2", mfsdp2_shard)):
+        with torch.device("meta"):
+            model = build("net")
+        shard_blocks(model, mesh, shard)
+        r = {"sharded": params(model)}
+        model.to(torch.float64)
+        r["to_float64"] = params(model)
+        r["state_dict"] = {k: (type(v).__name__, v.device.type) for k, v in model.state_dict().items()}
+        r["forward"] = raises(lambda: model(torch.zeros(2, 12, dtype=torch.float64)))
+        full = {k: torch.ones(v.shape, dtype=torch.float64) for k, v in model.state_dict().items()}
+        r["load"] = raises(lambda: model.load_state_dict(full))
+        model.to_empty(device="cpu")
+        r["to_empty"] = params(model)
+        out[name] = r
+    return out
+
+
+def test_meta_model_stays_on_meta_until_to_empty_as_in_fsdp2():
+    """The same meta-built model under both libraries, one process: DTensor parameters on the meta
+    device after fully_shard and after .to(float64) (no per-rank memory yet), meta state-dict
+    entries, a forward and a load refused (RuntimeError), real CPU DTensors after to_empty."""
+    for r in run_ranks(_meta_state, WS):
+        assert r["mfsdp2"] == r["fsdp2"], r
+        assert {v[1] for v in r["fsdp2"]["sharded"].values()} == {"meta"}
+        assert {v[1] for v in r["fsdp2"]["to_empty"].values()} == {"cpu"}
+        assert r["fsdp2"]["forward"] == r["fsdp2"]["load"] == "RuntimeError"

@@ -1,0 +1,29 @@
+// Python bindings of mfsdp2's native kernels (loaded by mfsdp2/native.py, which holds the
+// pure-PyTorch reference of each and decides which one runs).
+#include <torch/extension.h>
+
+#include "float8.h"
+
+#ifndef MFSDP2_TORCH_VERSION
+#error "build through setup.py: it defines MFSDP2_TORCH_VERSION, the torch this module is built against"
+#endif
+
+namespace py = pybind11;
+
+// Bumped whenever a kernel's signature or meaning changes: mfsdp2/native.py loads a module only
+// if it reports the API it expects (a stale build from older sources is not used).
+constexpr int kApiVersion = 3;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "mfsdp2 native kernels over flat buffers and their segment tables (CPU)";
+  m.def("api_version", [] { return kApiVersion; }, "The kernels' API version (see mfsdp2/native.py).");
+  m.def("torch_version", [] { return std::string(MFSDP2_TORCH_VERSION); },
+        "The torch version this module was built against.");
+  m.def("quantise_fp8", &mfsdp2::quantise_fp8, py::arg("src"), py::arg("dst"), py::arg("offsets"),
+        py::arg("lengths"), py::arg("scales"), py::arg("max"), py::arg("e5m2"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("lookup_bytes", &mfsdp2::lookup_bytes, py::arg("src"), py::arg("dst"), py::arg("offsets"),
+        py::arg("lengths"), py::arg("tables"), py::arg("allow_vbmi") = true,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("has_vbmi", &mfsdp2::has_vbmi, "Whether lookup_bytes' AVX-512 VBMI path runs on this CPU.");
+}
