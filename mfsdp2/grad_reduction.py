@@ -224,11 +224,13 @@ class GradientReduction:
 
     def _reduce_into_bucket(self, buckets: GradientBuckets, comm, op, prescale: Optional[float], key, label: str) -> None:
         """Pack into this group's slice of a bucket (see :meth:`reduce_grads`). Direct when, as in
-        the unbucketed path, nothing accumulated is visible and the dtypes match: the slice then
-        *is* the main gradient from now on (no copy); otherwise the reduced slice is added into
-        the main gradient when the bucket is done."""
+        the unbucketed path, nothing accumulated is visible, the dtypes match and the main
+        gradient is compute memory (not CPU offloaded): the slice then *is* the main gradient from
+        now on (no copy); otherwise the reduced slice is copied (offloaded: to host memory) or
+        added into the main gradient when the bucket is done."""
         direct = (
-            self.reduce_dtype == self.grad_dtype
+            not self.main.offloaded
+            and self.reduce_dtype == self.grad_dtype
             and self.main_grad is None
             and all(dp.grad is None for dp in self.dist_params)
         )

@@ -70,6 +70,8 @@ def _offload_facts(model, opt) -> dict:
         grad_devices={p.grad.to_local().device.type for p in model.parameters() if p.grad is not None},
         state_devices={t.to_local().device.type for t in states},
         pinned=any(p.to_local().is_pinned() for p in model.parameters()),
+        # no_shard / ZeRO-1: all-reduce buckets issued, against the groups that reduce
+        buckets=(model._mfsdp2_state.ctx.buckets.issued_count, sum(g.requires_grad for g in groups)),
         # host memory memory_stats() reports, against what the groups hold there
         host_bytes=(model.memory_stats()["host_bytes"],
                     sum(g.main_weight.element_size() * (g.layout.shard_numel + g.requires_grad * (
@@ -125,10 +127,10 @@ def _vs_fsdp2(rank, ws, mesh, kind):
     return out
 
 
-def _accumulate_vs_fsdp2(rank, ws, mesh):
+def _accumulate(models: dict, rank, ws) -> dict:
     """Two synced micro-batches per step (no zero_grad between them): the second reduction is
-    added to the host main gradient through a host copy (FSDP2 adds into its CPU grad)."""
-    models = sharded_pair(mesh, "net", offload_policy=OFF)
+    added to the host main gradient through a host copy. Returns each model's snapshots, taken
+    before each optimizer step."""
     opts = {k: make_opt("adamw", m.parameters()) for k, m in models.items()}
     snaps = {k: [] for k in models}
     n = GB // ws // 2
@@ -141,7 +143,26 @@ def _accumulate_vs_fsdp2(rank, ws, mesh):
             snaps[k].append(snapshot(m))
             opts[k].step()
             opts[k].zero_grad()
+    return snaps, opts
+
+
+def _accumulate_vs_fsdp2(rank, ws, mesh):
+    """:func:`_accumulate` with FSDP2's offload alongside (it adds into its CPU grad)."""
+    models = sharded_pair(mesh, "net", offload_policy=OFF)
+    snaps, opts = _accumulate(models, rank, ws)
     return snaps, _offload_facts(models["mfsdp2"], opts["mfsdp2"])
+
+
+def _bucketed_accumulation(rank, ws, mesh):
+    """no_shard / ZeRO-1 with offload, two synced backwards per step: both reductions go
+    through the shared all-reduce buckets (mfsdp2/grad_buckets.py), the first copied out of its
+    bucket slice into the host main grad, the second added to it."""
+    out = {}
+    for strategy in ("optim", "no_shard"):
+        model = shard_blocks(build("net", dtype=F64), mesh, offload_policy=OFF, sharding_strategy=strategy)
+        snaps, opts = _accumulate({"mfsdp2": model}, rank, ws)
+        out[strategy] = (snaps["mfsdp2"], _offload_facts(model, opts["mfsdp2"]))
+    return out
 
 
 def _strategies(rank, ws, mesh):
@@ -230,6 +251,7 @@ def _rank2(rank, ws):
     return dict(
         fsdp2=_vs_fsdp2(rank, ws, mesh, "net"),
         accumulate=_accumulate_vs_fsdp2(rank, ws, mesh),
+        bucketed_accumulation=_bucketed_accumulation(rank, ws, mesh),
         strategies=_strategies(rank, ws, mesh),
         bf16=_bf16_pairs(rank, ws, mesh),
         clip=_clip(rank, ws, mesh),
@@ -317,16 +339,42 @@ def test_dsd_state_dicts_under_offload_match_fsdp2():
         _assert_state_dicts_like_fsdp2(res["fsdp2"], f"rank {rank}")
 
 
+def _assert_bucketed(facts: dict, backwards: int, where: str) -> None:
+    """The first backward has no plan (a bucket per group); every later one follows the plan,
+    which puts all the groups of this small model into one bucket (25 MiB cap)."""
+    issued, groups = facts["buckets"]
+    assert groups > 1 and issued == groups + backwards - 1, (where, facts["buckets"])
+
+
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim", "no_shard"])
 def test_other_strategies_with_offload_match_unsharded(strategy):
+    """ZeRO-1 and no_shard all-reduce in shared buckets: under offload each group's slice is
+    copied out to its host main grad (never made the main grad itself, as it is without
+    offload: copy_outs counts them)."""
     ref_losses, _, ref_final = _reference()
     for rank, res in enumerate(_results2()):
         losses, params, facts = res["strategies"][strategy]
         where = f"{strategy} rank {rank}"
         _assert_offload_path(facts, STEPS, where, pin=True)  # CPUOffloadPolicy(): pin_memory=True
         assert facts["shares_model_buffer"], f"{where}: persistent groups expected"
+        if strategy != "optim_grads":
+            _assert_bucketed(facts, STEPS, where)
         assert_losses_close(losses, ref_losses, where, REL_F64)
         _assert_final(params, ref_final, where)
+
+
+@pytest.mark.parametrize("strategy", ["optim", "no_shard"])
+def test_bucketed_accumulation_with_offload_matches_unsharded(strategy):
+    _, ref_snaps, ref_final = _reference()
+    for rank, res in enumerate(_results2()):
+        snaps, facts = res["bucketed_accumulation"][strategy]
+        where = f"{strategy} accumulation rank {rank}"
+        _assert_offload_path(facts, 2 * STEPS, where)
+        _assert_bucketed(facts, 2 * STEPS, where)
+        for s in range(STEPS):
+            for k, (p, g) in ref_snaps[s].items():  # the mean of the two halves' means: the full-batch gradient
+                assert_close_rel(snaps[s][k][0], p, f"{where} step {s} param {k}", REL_F64)
+                assert_close_rel(snaps[s][k][1], g, f"{where} step {s} grad {k}", REL_F64)
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
