@@ -124,7 +124,6 @@ def _adopt(state, g, values: list[torch.Tensor], grads: list) -> "object":
         if not _same_memory(piece, v):
             piece.copy_(v.reshape(piece.shape))
     target.needs_init = False
-    target.refresh_model_shard()
     target.mark_changed()  # the values were written behind the version counters: re-gather
     if target is not g:
         _move_grads(g, target, grads)

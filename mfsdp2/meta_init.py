@@ -95,6 +95,5 @@ def materialize(model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]]
     groups = {id(g): g for g, _, _ in done}
     for g in groups.values():
         g.needs_init = False
-        g.refresh_model_shard()
         g.mark_changed()
     logger.debug("mfsdp2: materialised %d parameters in %d groups", len(done), len(groups))

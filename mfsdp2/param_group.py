@@ -173,7 +173,6 @@ class ParameterGroup(GradientReduction):
         # the CPU (``FSDPModule.set_detect_data_writes``).
         self.content_check = True
 
-        self._cast_pending = False  # the model shard lags the main weights: cast at the next gather
         self.casts = 0  # main -> model casts into a persistent buffer (tests: once per optimizer step)
         self.gathered_version = -1
         self.kept: Optional[torch.Tensor] = None  # shards kept by a partial reshard (int reshard_after_forward)
@@ -208,7 +207,6 @@ class ParameterGroup(GradientReduction):
         _LIVE.add(self)
         self.te_fused = fuses_wgrad(self)
         self.weights.free_unsharded()
-        self.refresh_model_shard()
         watch(self)
 
     # -- memory ------------------------------------------------------------------------------
@@ -250,7 +248,6 @@ class ParameterGroup(GradientReduction):
             unsharded = tp_dtensor(views[i], spec) if spec is not None else views[i]
             self.unsharded_params[i] = nn.Parameter(unsharded, requires_grad=self.unsharded_params[i].requires_grad)
         self.weights.free_unsharded()
-        self.refresh_model_shard()
 
     # -- parameters ---------------------------------------------------------------------------
     def _make_params(self, params: list[nn.Parameter]) -> None:
@@ -327,12 +324,13 @@ class ParameterGroup(GradientReduction):
 
     def refresh_model_shard(self) -> None:
         """Cast main -> model weights into a persistent buffer's local slice (persistent groups
-        whose compute dtype differs; at construction, materialisation and every re-gather)."""
+        whose compute dtype differs). Done by every gather, the slice's only reader: the main
+        weights are written by inits, loads and steps the group cannot all see, so a cast made
+        earlier (at construction) could be stale by then."""
         if not self._needs_cast:
             return
         with torch.no_grad():
             self.weights.shard.copy_(self.main_weight)
-        self._cast_pending = False
         self.casts += 1
 
     def mark_changed(self) -> None:
@@ -395,9 +393,11 @@ class ParameterGroup(GradientReduction):
         the weights are persistent and no rank stepped since the last gather (nothing to do)."""
         if self.persistent and not self.stale:
             return None
-        if self._cast_pending:
-            self.refresh_model_shard()
-        self._cast_pending = self._needs_cast  # the next gather happens because the main weights changed
+        # A gather happens because the main weights changed (persistent groups: ``stale``; ZeRO-3
+        # casts inside the gather): re-cast the model shard every time. Deferring it to "the
+        # gather after the next" missed writes made after the last cast -- an init after
+        # ``to_empty`` -- and computed with the cast of uninitialised memory.
+        self.refresh_model_shard()
         self.gathered_version = self.main_version()
         self.changed = self.agreed_stale = False
         if self.fingerprinted:

@@ -175,8 +175,11 @@ def _bf16_cast_once(rank, ws, strategy):
         dist.all_reduce(t)
         losses.append(t.item() / ws)
     if strategy == "optim_grads":
-        # Persistent weights: one cast into the local slice per optimizer step, not per gather.
-        assert [g.casts - c for g, c in zip(groups, casts0)] == [3] * len(groups), [g.casts for g in groups]
+        # Persistent weights: one cast into the local slice per gather, and a gather only after a
+        # change: the first forward's (no cast at construction, the init may follow) and one per
+        # optimizer step whose result is used (the last step's is not gathered here).
+        assert casts0 == [0] * len(groups), casts0
+        assert [g.casts for g in groups] == [BF16_STEPS] * len(groups), [g.casts for g in groups]
     else:
         # ZeRO-3 keeps no bf16 copy between gathers (as FSDP2): the gather input is the main shard
         # cast on the way in, and the gathered weights are exactly the bf16 of the main weights.

@@ -295,3 +295,39 @@ def test_meta_model_stays_on_meta_until_to_empty_as_in_fsdp2():
         assert {v[1] for v in r["fsdp2"]["sharded"].values()} == {"meta"}
         assert {v[1] for v in r["fsdp2"]["to_empty"].values()} == {"cpu"}
         assert r["fsdp2"]["forward"] == r["fsdp2"]["load"] == "RuntimeError"
+
+
+STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
+
+
+def _meta_bf16_compute(rank, ws):
+    """bf16 compute over fp32 main weights: the persistent strategies keep a separate model
+    shard that must be cast from the main weights the init wrote *after* ``to_empty`` (it used
+    to keep the cast of the uninitialised memory: inf / garbage outputs, silently)."""
+    from mfsdp2 import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ws,))
+    full = {k: v.detach() for k, v in build("net").named_parameters()}
+    out = {}
+    for strategy in STRATEGIES:
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16), sharding_strategy=strategy)
+        normal = shard_blocks(build("net"), mesh, fully_shard, **kw)
+        with torch.device("meta"):
+            meta = build("net")
+        shard_blocks(meta, mesh, fully_shard, **kw)
+        meta.to_empty(device="cpu")
+        with torch.no_grad():
+            for k, p in meta.named_parameters():
+                p.copy_(distribute_tensor(full[k], mesh, [Replicate()]))
+        out[strategy] = [_train(m, STEPS, rank, torch.float32) for m in (normal, meta)]
+    return out
+
+
+def test_meta_to_empty_copy_init_with_bf16_compute_equals_normal_build_bitwise():
+    """Every strategy, bf16 compute: the meta recipe trains bit for bit as the normal build."""
+    for rank, res in enumerate(run_ranks(_meta_bf16_compute, WS)):
+        for strategy in STRATEGIES:
+            normal, meta = res[strategy]
+            assert all(map(lambda v: v == v and abs(v) < 1e3, normal)), (strategy, normal)
+            assert meta == normal, (strategy, rank, meta, normal)

@@ -226,8 +226,6 @@ def _conversions(rank, ws, mesh):
     """``model.to(float64)`` of an offloaded float32 model (groups rebuilt: they must keep their
     host main state), and FSDP2's meta recipe with offload: meta build, ``to_empty(device="cpu")``,
     ``copy_`` init from full values."""
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
     out = {}
     model = shard_blocks(build("net"), mesh, offload_policy=OFF)
     model.to(F64)
@@ -237,13 +235,52 @@ def _conversions(rank, ws, mesh):
         meta = build("net").to(F64)
     shard_blocks(meta, mesh, offload_policy=OFF)
     meta.to_empty(device="cpu")
-    full = {k: v.detach().to(F64) for k, v in build("net").named_parameters()}
-    with torch.no_grad():
-        for k, p in meta.named_parameters():
-            p.copy_(distribute_tensor(full[k], mesh, [Replicate()]))
+    _copy_init(meta, mesh)
     opt = make_opt("adamw", meta.parameters())
     out["meta"] = ([_step(meta, opt, s, rank, ws)[0] for s in range(STEPS)], snapshot(meta), _offload_facts(meta, opt))
     return out
+
+
+def _meta_offload(rank, ws, mesh):
+    """A model built on the meta device and sharded with offload keeps everything on meta (no
+    host or device bytes; tests/test_meta_init.py counts them without offload) until its init, then gets host main state: ``mfsdp2.materialize``
+    (the normal build's draw, see tests/test_meta_init.py) then ``.to(float64)`` (groups rebuilt
+    on the host), or FSDP2's ``to_empty(device="cpu")`` and a ``copy_`` init. ZeRO-3, and the
+    persistent strategies, whose main weights never share the model buffer under offload."""
+    import mfsdp2
+
+    out = {}
+    for strategy, init in (("optim_grads_params", "materialize"), ("optim_grads", "materialize"),
+                           ("optim", "materialize"), ("no_shard", "materialize"),
+                           ("optim_grads", "to_empty"), ("no_shard", "to_empty")):
+        with torch.device("meta"):
+            model = build("net")
+        shard_blocks(model, mesh, offload_policy=CPUOffloadPolicy(), sharding_strategy=strategy)
+        groups = _groups(model)
+        # main weights, model-weight buffers and parameters: all on meta
+        before = {t.device.type for g in groups for t in (g.main_weight, g.weights.shard)} | {
+            p.device.type for p in model.parameters()}
+        if init == "materialize":
+            torch.manual_seed(0)  # the stream build("net", seed=0) draws from
+            mfsdp2.materialize(model)
+            model.to(F64)
+        else:
+            model.to(F64).to_empty(device="cpu")
+            _copy_init(model, mesh)
+        opt = make_opt("adamw", model.parameters())
+        losses = [_step(model, opt, s, rank, ws)[0] for s in range(STEPS)]
+        out[strategy, init] = (before, losses, snapshot(model), _offload_facts(model, opt))
+    return out
+
+
+def _copy_init(model, mesh) -> None:
+    """Every parameter ``copy_``-ed from the normal build's full values (FSDP2's meta recipe)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    full = {k: v.detach().to(F64) for k, v in build("net").named_parameters()}
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(distribute_tensor(full[k], mesh, [Replicate()]))
 
 
 def _rank2(rank, ws):
@@ -256,6 +293,7 @@ def _rank2(rank, ws):
         bf16=_bf16_pairs(rank, ws, mesh),
         clip=_clip(rank, ws, mesh),
         conversions=_conversions(rank, ws, mesh),
+        meta=_meta_offload(rank, ws, mesh),
     )
 
 
@@ -415,6 +453,22 @@ def test_conversions_keep_offloaded_main_state(case):
         losses, params, facts = res["conversions"][case]
         where = f"{case} rank {rank}"
         _assert_offload_path(facts, STEPS, where)
+        assert_losses_close(losses, ref_losses, where, REL_F64)
+        _assert_final(params, ref_final, where)
+
+
+@pytest.mark.parametrize("strategy,init", [("optim_grads_params", "materialize"), ("optim_grads", "materialize"),
+                                           ("optim", "materialize"), ("no_shard", "materialize"),
+                                           ("optim_grads", "to_empty"), ("no_shard", "to_empty")])
+def test_meta_built_offloaded_model_gets_host_main_state_at_init(strategy, init):
+    ref_losses, _, ref_final = _reference()
+    for rank, res in enumerate(_results2()):
+        before, losses, params, facts = res["meta"][strategy, init]
+        where = f"{strategy} {init} rank {rank}"
+        assert before == {"meta"}, (where, before)
+        _assert_offload_path(facts, STEPS, where, pin=True)  # CPUOffloadPolicy(): pin_memory=True
+        if strategy != "optim_grads_params":
+            assert facts["shares_model_buffer"], f"{where}: persistent groups expected"
         assert_losses_close(losses, ref_losses, where, REL_F64)
         _assert_final(params, ref_final, where)
 
