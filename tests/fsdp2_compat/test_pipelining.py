@@ -33,23 +33,11 @@ from .test_comm_counts import _counting
 PP, N_MB, PER_MB, STEPS = 2, 4, 2, 3
 
 
-class Piece(nn.Module):
-    """A stage: consecutive top-level modules of ``Net`` applied in order."""
-
-    def __init__(self, mods):
-        super().__init__()
-        self.mods = nn.ModuleList(mods)
-
-    def forward(self, x):
-        for m in self.mods:
-            x = m(x)
-        return x
-
-
 def _pieces(net, n_stages: int) -> list:
+    """The stage modules: consecutive top-level modules of ``Net``, each cut an ``nn.Sequential``."""
     mods = [net.inp, *net.blocks, net.head]
     cuts = {2: [mods[:3], mods[3:]], 4: [mods[:2], mods[2:3], mods[3:4], mods[4:]]}[n_stages]
-    return [Piece(c) for c in cuts]
+    return [nn.Sequential(*c) for c in cuts]
 
 
 def _stage_ids(schedule: str, pp_rank: int) -> tuple[int, list[int]]:
@@ -79,7 +67,7 @@ def _train(rank, mesh, runtime, schedule, stage_cls, raf, reshard_after_backward
     cls = Mfsdp2Stage if stage_cls == "mfsdp2" else pipelining.PipelineStage
     stages = []
     for i in mine:
-        for m in pieces[i].mods:
+        for m in pieces[i]:
             if m in net.blocks:
                 shard(m, mesh=dp_mesh, **kw)
         shard(pieces[i], mesh=dp_mesh, **kw)
