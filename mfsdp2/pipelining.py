@@ -88,9 +88,14 @@ class PipelineStage(_pipelining.PipelineStage):
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
     def _reduce_accumulated(self) -> None:
+        """Sync on again and reduce what the micro-batches accumulated (nothing to do unless a
+        backward ran in accumulating mode since the last reduction)."""
+        units = _units(self.submod)
+        if all(m._mfsdp2_state.requires_gradient_sync for m in units):
+            return
         self._set_accumulating(False)
         roots = []
-        for m in _units(self.submod):
+        for m in units:
             ctx = m._mfsdp2_state.ctx  # None: no forward ran yet, nothing to reduce
             if ctx is not None and ctx not in roots:
                 roots.append(ctx)
@@ -104,7 +109,7 @@ class PipelineStage(_pipelining.PipelineStage):
     def scale_grads(self, grad_scale_factor: int) -> None:
         # Schedules without a REDUCE_GRAD action (PipelineScheduleMulti's own loop) call this after
         # a stage's last backward: the accumulated gradients must be reduced before they are
-        # scaled. After perform_reduce_grad nothing is left to reduce and this adds no collective.
+        # scaled. Called from perform_reduce_grad, nothing is left to reduce.
         self._reduce_accumulated()
         super().scale_grads(grad_scale_factor)
 
