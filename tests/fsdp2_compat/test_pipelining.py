@@ -92,6 +92,11 @@ def _train(rank, mesh, runtime, schedule, stage_cls, raf, reshard_after_backward
     ids = {id(p) for i in mine for p in pieces[i].parameters()}
     named = [(k, p) for k, p in net.named_parameters() if id(p) in ids]  # the DTensors, by global name
     opt = make_opt("adamw", [p for _, p in named])
+    if stage_cls == "mfsdp2" or runtime == "fsdp2":
+        # Gradients left over from before the first step: torch clears FSDP2's after its metadata
+        # inference, mfsdp2's stage clears ours (torch's stage treats ours as a plain module's).
+        for _, p in named:
+            p.grad = p.detach().clone()
     sched_cls = _schedule_class(schedule)
     sched = sched_cls(stages if len(stages) > 1 else stages[0], N_MB, loss_fn=loss_fn)
     per_rank = N_MB * PER_MB
