@@ -75,7 +75,7 @@ EXPECTED = {
     "E45": (ValueError, "a container without a forward of its own"),
     "E46": (ValueError, "shards every parameter on dim 0"),
     "E47": (InvalidShardDimError, "shards every parameter on dim 0"),
-    "E48": (ValueError, "reshard their weights after forward"),
+    "E52": (ValueError, "reshard their weights after forward"),
     "E49": (UnreducedGradientsError, "no backward reduced"),
 }
 
@@ -100,7 +100,7 @@ def _sharded_net(mesh, **root_kw):
 
 
 def _pipeline_rows(out: dict, mesh) -> None:
-    """E48: a zero-bubble schedule over mfsdp2 stages whose blocks reshard after forward (two
+    """E52: a zero-bubble schedule over mfsdp2 stages whose blocks reshard after forward (two
     stages on this one rank). E49: a gradient written into a gathered unit after its backward."""
     import torch.distributed.pipelining as pipelining
 
@@ -115,7 +115,7 @@ def _pipeline_rows(out: dict, mesh) -> None:
     stages = [PipelineStage(fully_shard(h, mesh=mesh), i, 2, torch.device("cpu")) for i, h in enumerate(halves)]
     sched = pipelining.ScheduleInterleavedZeroBubble(stages, 2, loss_fn=loss_fn)
     x, y = batch(0, 4, 12)
-    _capture(out, "E48", lambda: sched.step(x, target=y))
+    _capture(out, "E52", lambda: sched.step(x, target=y))
 
     net = _sharded_net(mesh)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
