@@ -47,8 +47,9 @@ from .schedule import Schedule
 from .structures import map_tensors, tensors_in
 from .te import attach_main_grads
 from .state import FSDPState, RootContext, ShardState, TrainingState, unit_state
+from . import step_guard
 
-__all__ = ["pre_forward", "post_forward", "unshard_async", "wait_unshard", "reshard", "lazy_init", "reset"]
+__all__ = ["pre_forward", "post_forward", "unshard_async", "wait_unshard", "reshard", "lazy_init", "reset", "finish_backward"]
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def lazy_init(state: FSDPState) -> None:
         # needs them first (the output layer) -- one all-gather saved. Passed explicitly, True
         # reshards the root like any unit (memory over one gather), as in FSDP2.
         state.reshard_after_forward = False
-    RootContext.create(state, states, Schedule(states))
+    step_guard.watch(RootContext.create(state, states, Schedule(states)))
 
 
 # -- forward ----------------------------------------------------------------------------------
@@ -574,6 +575,24 @@ def _final_callback(ctx: RootContext) -> None:
             ctx.step += 1
         finally:
             ctx.callback_queued = False
+
+
+def finish_backward(ctx: RootContext) -> None:
+    """Outside autograd, do what the final callback of a backward does: reduce every unit holding
+    unsharded gradients (those accumulated without gradient sync, or written into the gathered
+    parameters outside any backward hook), finish the reductions, expose the gradients and
+    reshard (per each unit's flags).
+
+    Why: a pipeline schedule's zero-bubble weight pass (``stage_backward_weight``) computes weight
+    gradients with ``autograd.grad`` and assigns them to the gathered parameters after it returns,
+    so no hook of ours sees them; torch reduces FSDP2's at the schedule's REDUCE_GRAD action by
+    calling its private post-backward, ``mfsdp2.pipelining.PipelineStage`` calls this. Every rank
+    of the data-parallel group must call it (it issues the reductions)."""
+    if _in_backward():
+        raise RuntimeError(f"mfsdp2: finish_backward on {ctx.root.name!r} called inside a backward pass; "
+                           "the backward's own final callback reduces the gradients")
+    ctx.callback_queued = True  # the callback clears it; a forward meanwhile would be refused
+    _final_callback(ctx)
 
 
 def reset(ctx: RootContext) -> None:

@@ -1,4 +1,5 @@
-"""Results computed from our ``RowShard`` DTensors keep ``RowShard``; ``distribute_tensor`` honours it.
+"""Results computed from our ``RowShard`` DTensors keep ``RowShard``; ops mixing row splits line them up;
+``distribute_tensor`` honours ``RowShard``.
 
 Why: DTensor's sharding rules build their output placements afresh (``Shard(0)`` objects made by
 the strategy, not the input's placement object). For our uneven, row-aligned shards that label is
@@ -9,14 +10,26 @@ write it at the wrong offsets. Users compute such tensors all the time (EMA copi
 clone for logging, a bf16 copy of the weights for export, an optimizer's temporary).
 
 How: the propagator's uncached entry point is wrapped once per process; after DTensor has chosen
-the strategy, every output placement that is a plain ``Shard(0)`` on a mesh dimension where an
-input carried ``RowShard(0, rows)`` *with the same dim-0 size* is replaced by that ``RowShard``:
-a sharding rule that keeps dim 0 sharded without redistributing the input computes each rank's
-output rows from its own input rows, so the output holds exactly the input's rows. The rewrite is
-refused when inputs disagree on that dimension (two different row splits, or a ``torch.chunk``
-split that is not ours): DTensor would combine mismatched local rows there anyway, and we do not
-guess. Shape arguments that DTensor rewrote from the global shape to the local one (``view``,
-``new_empty``) are recomputed from the relabelled placement.
+the strategy, every output placement that is a plain ``Shard(0)`` on a mesh dimension where the
+inputs it is computed from carry ``RowShard(0, rows)`` *with the same dim-0 size* is replaced by
+that ``RowShard``: a sharding rule that keeps dim 0 sharded computes each rank's output rows from
+its own input rows, so the output holds exactly the input's rows. Shape arguments that DTensor
+rewrote from the global shape to the local one (``view``, ``new_empty``) are recomputed from the
+relabelled placement.
+
+Mixed splits. An op combining DTensors whose dim-0 rows are split differently -- our parameter
+and a same-shape ``torch.chunk`` ``Shard(0)`` tensor (``p + q``, ``p.grad.add_(q)``,
+``torch.lerp``, ``_foreach_add_``), two of our parameters with other rows (another offset or unit),
+or ours with a ``Replicate`` / ``Partial`` tensor that DTensor splits by ``torch.chunk`` -- used to
+combine rank r's rows of one with other rows of the other: a shape error, or, where a piece held
+one row, a silent broadcast. DTensor cannot see it (``RowShard == Shard(0)``). Now, for each set
+of inputs the op combines row by row (every tensor argument; for ``_foreach`` ops the i-th of
+each list), the inputs the chosen strategy keeps sharded on dim 0 with one size are all asked for
+the split of the first of them that already is (for an in-place op: ``self``, whose rows the
+result keeps), and the outputs carry it. DTensor then redistributes the others; the wrapped
+``redistribute_local_tensor`` (what its dispatcher calls) moves the rows through ``Replicate``
+where two dim-0 splits differ, and reduces a ``Partial`` into our rows the same way (its own
+reduce-scatter splits by ``torch.chunk``). So ``p + q`` holds ``p``'s rows, ``q + p`` ``q``'s.
 
 The caches. ``RowShard`` must compare equal to ``Shard(0)`` placement by placement (that is how
 DTensor's rules accept it as a dim-0 shard without redistributing), but a cached decision made for
@@ -55,15 +68,19 @@ import torch
 import torch.distributed.tensor as _dtensor_pkg
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._op_schema import OpSchema
 
 from .placement import RowShard, chunk_rows
+
+try:
+    from torch.distributed._functional_collectives import _are_we_tracing
+except ImportError:  # pragma: no cover - torch without it never traces DTensor ops
+    def _are_we_tracing() -> bool:
+        return False
 
 __all__ = ["install"]
 
 logger = logging.getLogger(__name__)
-
-_CONFLICT = object()  # inputs disagree on the rows of this (mesh dim, dim-0 size)
-
 
 def _specs(obj: Any):
     if isinstance(obj, DTensorSpec):
@@ -73,68 +90,139 @@ def _specs(obj: Any):
             yield from _specs(o)
 
 
-def _input_row_splits(op_schema) -> dict[tuple[int, int], Any]:
-    """``(mesh dim, dim-0 size) -> RowShard`` for the inputs sharded on dim 0 by our rows;
-    ``_CONFLICT`` where another dim-0 split of the same size is there too."""
-    found: dict[tuple[int, int], Any] = {}
-    plain: set[tuple[int, int]] = set()
-    for spec in _specs(tuple(op_schema.args_schema) + tuple(op_schema.kwargs_schema.values())):
-        meta = spec.tensor_meta
-        if meta is None or len(meta.shape) == 0 or type(meta.shape[0]) is not int:
-            continue  # symbolic sizes (dynamic-shape tracing): no guard is added for us
-        for d, pl in enumerate(spec.placements):
-            if not isinstance(pl, Shard) or pl.dim != 0:
-                continue
-            key = (d, meta.shape[0])
-            if isinstance(pl, RowShard):
-                prev = found.get(key)
-                found[key] = pl if prev is None or prev == pl else _CONFLICT
-            else:
-                plain.add(key)
-    for key in plain & found.keys():
-        rs = found[key]
-        if rs is not _CONFLICT and tuple(rs.rows) != chunk_rows(key[1], len(rs.rows)):
-            found[key] = _CONFLICT  # a torch.chunk split and ours meet: not ours to relabel
-    return found
+def _dim0(pl) -> bool:
+    """A placement that shards tensor dim 0 by plain rows: ``Shard(0)`` (torch.chunk) or ours."""
+    return (type(pl) is Shard or isinstance(pl, RowShard)) and pl.dim == 0
 
 
-def _relabel(spec: Optional[DTensorSpec], splits) -> Optional[DTensorSpec]:
-    """``spec`` with our RowShard where it says plain ``Shard(0)``; None when nothing changes."""
-    if not isinstance(spec, DTensorSpec) or spec.tensor_meta is None or len(spec.tensor_meta.shape) == 0:
-        return None
-    n = spec.tensor_meta.shape[0]
-    if type(n) is not int:
-        return None
+def _rows_of(spec) -> Optional[int]:
+    meta = spec.tensor_meta
+    if meta is None or len(meta.shape) == 0 or type(meta.shape[0]) is not int:
+        return None  # symbolic sizes (dynamic-shape tracing): no guard is added for us
+    return meta.shape[0]
+
+
+def _get(args, pos):
+    i, j = pos
+    return args[i] if j is None else args[i][j]
+
+
+def _put(args: list, pos, spec) -> None:
+    i, j = pos
+    if j is None:
+        args[i] = spec
+    else:
+        args[i][j] = spec
+
+
+def _with(spec: DTensorSpec, d: int, pl) -> DTensorSpec:
+    """``spec`` with placement ``pl`` on mesh dim ``d`` (a dim-0 shard for a dim-0 shard: the
+    shard order stays valid)."""
     new = list(spec.placements)
-    changed = False
-    for d, pl in enumerate(new):
-        if type(pl) is Shard and pl.dim == 0:
-            rs = splits.get((d, n))
-            if isinstance(rs, RowShard):
-                new[d] = rs
-                changed = True
-    if not changed:
-        return None
+    new[d] = pl
     return dataclasses.replace(spec, placements=tuple(new))
 
 
-def _rewrite(propagator, op_schema, out):
-    splits = _input_row_splits(op_schema)
-    if not splits or out is None:
-        return out
+def _groups(op_schema) -> list[tuple[list[tuple[int, Optional[int]]], Optional[int]]]:
+    """``(positions of DTensorSpecs in args_schema, output index)`` for each set of inputs the op
+    combines row by row into one output: for ``_foreach`` ops the i-th tensor of every list (and
+    any single tensor argument) into output i, for other ops every tensor argument into every
+    output (``None``)."""
+    args = op_schema.args_schema
+    singles = [(i, None) for i, a in enumerate(args) if isinstance(a, DTensorSpec)]
+    lists = [
+        i for i, a in enumerate(args) if isinstance(a, (list, tuple)) and any(isinstance(x, DTensorSpec) for x in a)
+    ]
+    if lists and "_foreach_" in str(op_schema.op):
+        n = len(args[lists[0]])
+        return [([(i, k) for i in lists if k < len(args[i])] + singles, k) for k in range(n)]
+    return [(singles + [(i, k) for i in lists for k in range(len(args[i]))], None)]
+
+
+def _output_specs(out) -> list:
     spec = out.output_spec
-    if isinstance(spec, DTensorSpec):
-        new = _relabel(spec, splits)
-        if new is None:
-            return out
-        out.output_spec = new
-        _fix_shape_args(propagator, op_schema, out, new)
-    elif isinstance(spec, (list, tuple)):
-        news = [_relabel(s, splits) for s in spec]
-        if all(n is None for n in news):
-            return out
-        out.output_spec = type(spec)(n if n is not None else s for s, n in zip(spec, news))
+    return [spec] if isinstance(spec, DTensorSpec) else list(spec) if isinstance(spec, (list, tuple)) else []
+
+
+def _dim0_classes(want, positions, d: int) -> dict[int, list]:
+    """The inputs the chosen strategy wants sharded on tensor dim 0 over mesh dim ``d``, by their
+    dim-0 size (inputs of one size are combined row by row)."""
+    classes: dict[int, list] = {}
+    for p in positions:
+        w = _get(want, p)
+        n = _rows_of(w)
+        if n is not None and _dim0(w.placements[d]):
+            classes.setdefault(n, []).append(p)
+    return classes
+
+
+def _align(op_schema, out, move: bool) -> bool:
+    """Make every set of inputs the op combines row by row hold the same rows (see the module
+    docstring, "Mixed splits") and relabel the outputs with that split. Returns whether an output
+    spec changed. ``move=False`` (while dynamo / make_fx trace): only relabel where the inputs
+    already agree -- a traced graph may hold intermediates labelled ``Shard(0)`` that carry our rows
+    (symbolic sizes are not relabelled, to add no guard), and moving rows by that label would
+    break what the graph computes correctly."""
+    args = op_schema.args_schema
+    base = out.redistribute_schema.args_schema if out.redistribute_schema is not None else args
+    want = [list(a) if isinstance(a, (list, tuple)) else a for a in base]  # desired input specs
+    outs = _output_specs(out)
+    new_outs = list(outs)
+    moved = False
+    for positions, out_idx in _groups(op_schema):
+        positions = [
+            p for p in positions if isinstance(_get(args, p), DTensorSpec) and isinstance(_get(want, p), DTensorSpec)
+        ]
+        mesh = _get(args, positions[0]).mesh if positions else None
+        for d in range(mesh.ndim if mesh is not None else 0):
+            k = mesh.size(d)
+            for n, members in _dim0_classes(want, positions, d).items():
+                # The split of the first input already sharded on dim 0 here does not move (for an
+                # in-place op that input is self, whose rows the result keeps). None: every such
+                # input is gathered or reduced first, DTensor's own plan.
+                ref = next((_get(args, p).placements[d] for p in members if _dim0(_get(args, p).placements[d])), None)
+                if ref is None:
+                    continue
+                rows = _split(ref, n, k)
+                if not move and any(_split(_get(args, p).placements[d], n, k) != rows for p in members):
+                    continue
+                for p in members:
+                    w = _get(want, p)
+                    if type(w.placements[d]) is not type(ref) or _split(w.placements[d], n, k) != rows:
+                        _put(want, p, _with(w, d, ref))
+                        moved = moved or _split(_get(args, p).placements[d], n, k) != rows
+                if not isinstance(ref, RowShard):
+                    continue
+                for o in range(len(new_outs)) if out_idx is None else [out_idx]:
+                    spec = new_outs[o] if o < len(new_outs) else None
+                    if isinstance(spec, DTensorSpec) and _rows_of(spec) == n and type(spec.placements[d]) is Shard:
+                        if spec.placements[d].dim == 0:
+                            new_outs[o] = _with(spec, d, ref)
+    if moved or out.redistribute_schema is not None:
+        schema = out.redistribute_schema or op_schema
+        new_args = tuple(type(b)(w) if isinstance(b, (list, tuple)) else w for b, w in zip(base, want))
+        out.redistribute_schema = OpSchema(schema.op, new_args, schema.kwargs_schema, schema_info=schema.schema_info)
+        out.needs_redistribute = out.needs_redistribute or moved
+    changed = any(a is not b for a, b in zip(outs, new_outs))
+    if changed:
+        spec = out.output_spec
+        out.output_spec = new_outs[0] if isinstance(spec, DTensorSpec) else type(spec)(new_outs)
+    return changed
+
+
+def _rewrite(propagator, op_schema, out):
+    if out is None or not _has_row_shard(op_schema):
+        return out
+    if _align(op_schema, out, move=not _are_we_tracing()) and isinstance(out.output_spec, DTensorSpec):
+        _fix_shape_args(propagator, op_schema, out, out.output_spec)
     return out
+
+
+def _has_row_shard(op_schema) -> bool:
+    for spec in _specs(tuple(op_schema.args_schema)):
+        if any(isinstance(pl, RowShard) for pl in spec.placements):
+            return True
+    return False
 
 
 def _fix_shape_args(propagator, op_schema, out, spec: DTensorSpec) -> None:
@@ -226,12 +314,15 @@ def _install_distribute_tensor() -> None:
     plain = _dtensor_pkg.distribute_tensor
     if getattr(plain, "_mfsdp2_plain", None) is not None:
         return
-    wrapped = _wrap_distribute_tensor(plain)
-    # Modules that imported the function by name (torch's state-dict utilities among them) hold
-    # their own reference: replace it wherever torch.distributed has one.
+    _replace_everywhere("distribute_tensor", plain, _wrap_distribute_tensor(plain))
+
+
+def _replace_everywhere(attr: str, plain, wrapped) -> None:
+    """Modules that imported a function by name (torch's state-dict utilities, DTensor's op
+    dispatcher) hold their own reference: replace it wherever torch.distributed has one."""
     for name, mod in list(sys.modules.items()):
-        if name.startswith("torch.distributed") and getattr(mod, "distribute_tensor", None) is plain:
-            setattr(mod, "distribute_tensor", wrapped)
+        if name.startswith("torch.distributed") and getattr(mod, attr, None) is plain:
+            setattr(mod, attr, wrapped)
 
 
 def _split(pl, n: int, k: int) -> Optional[tuple[int, ...]]:
@@ -276,6 +367,42 @@ def _wrap_redistribute(plain_redistribute):
     return redistribute
 
 
+def _via_replicate(cur, tgt, k: int) -> bool:
+    """Whether ``cur -> tgt`` on one mesh dimension must go through ``Replicate``: dim-0 rows that
+    the two splits place differently (DTensor sees equal placements and moves nothing), or a
+    ``Partial`` reduced into our rows (DTensor's reduce-scatter splits by ``torch.chunk``)."""
+    if _rows_move(cur, tgt, k):
+        return True
+    return isinstance(tgt, RowShard) and cur.is_partial()
+
+
+def _wrap_redistribute_local_tensor(plain):
+    def redistribute_local_tensor(local_tensor, current_spec, target_spec, **kwargs):
+        # The op dispatcher calls this to bring an argument to the spec a sharding decision asks
+        # for; with mixed splits (see _align) that is a change of rows DTensor cannot see.
+        mesh = current_spec.mesh
+        cur, tgt = current_spec.placements, target_spec.placements
+        move = [d for d, (c, t) in enumerate(zip(cur, tgt)) if _via_replicate(c, t, mesh.size(d))]
+        if move and mesh == target_spec.mesh:
+            mid = tuple(Replicate() if d in move else c for d, c in enumerate(cur))
+            mid = DTensorSpec(mesh, mid, tensor_meta=current_spec.tensor_meta)
+            local_tensor = plain(local_tensor, current_spec, mid, **kwargs)
+            current_spec = mid
+        return plain(local_tensor, current_spec, target_spec, **kwargs)
+
+    redistribute_local_tensor.__doc__ = plain.__doc__
+    redistribute_local_tensor._mfsdp2_plain = plain
+    return redistribute_local_tensor
+
+
+def _install_redistribute_local_tensor() -> None:
+    from torch.distributed.tensor import _redistribute
+
+    plain = _redistribute.redistribute_local_tensor
+    if getattr(plain, "_mfsdp2_plain", None) is None:
+        _replace_everywhere("redistribute_local_tensor", plain, _wrap_redistribute_local_tensor(plain))
+
+
 def _install_redistribute() -> None:
     plain = DTensor.redistribute
     if getattr(plain, "_mfsdp2_plain", None) is None:
@@ -288,6 +415,7 @@ def install() -> None:
     _install_spec_eq()
     _install_distribute_tensor()
     _install_redistribute()
+    _install_redistribute_local_tensor()
     prop = DTensor._op_dispatcher.sharding_propagator
     if getattr(prop, "_mfsdp2_row_propagation", False):
         return

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from mfsdp2 import CollectiveError, MixedPrecisionPolicy
 from mfsdp2.fully_shard import AlreadyShardedError, InvalidShardDimError
 from mfsdp2.module import NotAnFSDPModuleError
+from mfsdp2.step_guard import UnreducedGradientsError
 
 from ._dist import run_ranks
 from .models import Net, batch, build, loss_fn
@@ -75,8 +76,10 @@ EXPECTED = {
     "E46": (ValueError, "shards every parameter on dim 0"),
     "E47": (InvalidShardDimError, "shards every parameter on dim 0"),
     "E48": (ValueError, "all-reduce bucket size must be >= 0 MiB"),
+    "E49": (UnreducedGradientsError, "no backward reduced"),
     "E50": (RuntimeError, "are still on the meta device (the model was built under torch.device('meta')); give them memory first"),
     "E51": (ValueError, "all_gather_dtype (FP8 all-gather) with CPUOffloadPolicy for Linear is not supported"),
+    "E52": (ValueError, "reshard their weights after forward"),
 }
 
 
@@ -97,6 +100,33 @@ def _sharded_net(mesh, **root_kw):
         fully_shard(b, mesh=mesh)
     fully_shard(m, mesh=mesh, **root_kw)
     return m
+
+
+def _pipeline_rows(out: dict, mesh) -> None:
+    """E52: a zero-bubble schedule over mfsdp2 stages whose blocks reshard after forward (two
+    stages on this one rank). E49: a gradient written into a gathered unit after its backward."""
+    import torch.distributed.pipelining as pipelining
+
+    from mfsdp2.pipelining import PipelineStage
+
+    from mfsdp2 import fully_shard
+
+    net = build("net")
+    for b in net.blocks:
+        fully_shard(b, mesh=mesh)  # reshard_after_forward=True (the default below the root)
+    halves = [nn.Sequential(net.inp, net.blocks[0]), nn.Sequential(net.blocks[1], net.blocks[2], net.head)]
+    stages = [PipelineStage(fully_shard(h, mesh=mesh), i, 2, torch.device("cpu")) for i, h in enumerate(halves)]
+    sched = pipelining.ScheduleInterleavedZeroBubble(stages, 2, loss_fn=loss_fn)
+    x, y = batch(0, 4, 12)
+    _capture(out, "E52", lambda: sched.step(x, target=y))
+
+    net = _sharded_net(mesh)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net(torch.zeros(1, 12)).sum().backward()
+    net.unshard()
+    net.inp.weight.grad = torch.ones_like(net.inp.weight)
+    _capture(out, "E49", opt.step)
+    net.reshard()
 
 
 def _rows_ws1(rank, ws):
@@ -177,6 +207,7 @@ def _rows_ws1(rank, ws):
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     _capture(out, "E51", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, mp_policy=fp8, offload_policy=CPUOffloadPolicy()))
+    _pipeline_rows(out, mesh)
     replicated = fully_shard(nn.Linear(3, 3), mesh=mesh, sharding_strategy="no_shard")
     _capture(out, "E43", lambda: msd.get_model_state_dict(replicated, options=msd.StateDictOptions(full_state_dict=True)))
     divided = fully_shard(nn.Linear(3, 3), mesh=mesh)

@@ -1,0 +1,75 @@
+"""Refuse an optimizer step that would ignore gradients a gathered unit still holds unreduced.
+
+Why: mfsdp2 reduces the gradients autograd accumulates into a unit's gathered (unsharded)
+parameters at the end of each backward. Gradients written there *outside* a backward -- torch
+pipelining's zero-bubble weight pass assigns ``param.grad`` after its ``autograd.grad`` returns
+(``stage_backward_weight``) when the stage is torch's own ``PipelineStage`` -- are seen by no
+hook. With gradient sync on, nothing would ever reduce them before the step: the optimizer would
+step on the gradients of the other micro-batches only, a silent wrong result. A process-wide
+``register_optimizer_step_pre_hook`` (installed at the first root's lazy init) checks, before
+each step, every gathered unit with gradient sync on under a live root, and raises naming the
+unit and what to do. Steps taken inside a backward (optimizer-in-backward, from post-accumulate
+hooks) are not checked: the backward's own callback has not run yet. The check reads host state
+only (``.grad is None`` per gathered parameter): no collective, no device synchronisation, and
+sharded units (the common state at a step) cost one comparison.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .state import RootContext, ShardState
+
+__all__ = ["watch", "UnreducedGradientsError"]
+
+_contexts: "weakref.WeakSet[RootContext]" = weakref.WeakSet()
+_hook_handle = None
+
+
+class UnreducedGradientsError(RuntimeError):
+    """An optimizer step while a unit's gathered parameters hold gradients no backward reduced."""
+
+
+def _unreduced(ctx: RootContext) -> list:
+    """``(unit, group)`` pairs of ``ctx`` whose gathered parameters hold gradients while gradient
+    sync is on (host state only)."""
+    found = []
+    for s in ctx.states:
+        if s.shard_state is not ShardState.UNSHARDED or not s.requires_gradient_sync:
+            continue
+        for g in s.groups:
+            if g.requires_grad and any(p.grad is not None for p in g.unsharded_params):
+                found.append((s, g))
+    return found
+
+
+def _check(optimizer, args, kwargs) -> None:
+    if torch._C._current_graph_task_id() != -1:
+        return  # a step inside backward (optimizer-in-backward)
+    found = [(ctx, s, g) for ctx in list(_contexts) if not ctx.callback_queued for s, g in _unreduced(ctx)]
+    if not found:
+        return  # the common case: nothing gathered holds a gradient, no per-parameter work
+    # Only the units this optimizer steps (another model's state is not this step's business).
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for ctx, s, g in found:
+        if any(id(p) in stepped for p in g.dist_params):
+            raise UnreducedGradientsError(
+                f"mfsdp2: optimizer step while unit {s.name!r} (root {ctx.root.name!r}) holds gradients "
+                "in its gathered parameters that no backward reduced: they were written after the "
+                "last backward ended (e.g. by torch.distributed.pipelining's zero-bubble weight "
+                "pass with torch's PipelineStage), so this step would ignore them. With pipeline "
+                "schedules use mfsdp2.pipelining.PipelineStage (same arguments as torch's), which "
+                "reduces them once per step; elsewhere, compute gradients with backward() "
+                "through the model, not by assigning .grad"
+            )
+
+
+def watch(ctx: RootContext) -> None:
+    """Check ``ctx``'s units before every optimizer step (held weakly; the hook is installed once)."""
+    global _hook_handle
+    _contexts.add(ctx)
+    if _hook_handle is None:
+        _hook_handle = register_optimizer_step_pre_hook(_check)
