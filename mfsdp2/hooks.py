@@ -41,13 +41,14 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from .comm import host_tensor
 from .profiling import event_log, trace_range
 from .schedule import Schedule
 from .structures import map_tensors, tensors_in
 from .te import attach_main_grads
 from .state import FSDPState, RootContext, ShardState, TrainingState, unit_state
+from .comm import host_tensor
 from . import step_guard
+from .weight_watch import agree_on_gathers
 
 __all__ = ["pre_forward", "post_forward", "unshard_async", "wait_unshard", "reshard", "lazy_init", "reset", "finish_backward"]
 
@@ -208,7 +209,7 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
             for s in ctx.states:
                 if len(s.modules) > 1:  # only units of several modules track their forwards
                     s.forward_to_run = {id(m) for m in s.modules}
-            _agree_on_gathers(ctx)
+            agree_on_gathers(ctx)
         state.training_state = TrainingState.FORWARD
         prefetch = ctx.schedule.on_forward(state)
         unshard_async(state)
@@ -245,64 +246,6 @@ def _wait_post_optim_event(ctx: RootContext) -> None:
     event, ctx.post_optim_event = ctx.post_optim_event, None
     if event is not None and ctx.root.comm.device.type != "cpu":
         event.wait()
-
-
-def _agree_on_gathers(ctx: RootContext) -> None:
-    """One small all-reduce (MAX) per forward, for every unit at once, when some groups keep
-    persistent weights or gather in FP8.
-
-    * Persistent weights (``optim``, ``optim_grads``, ``no_shard``) are re-gathered only when
-      they changed (:mod:`mfsdp2.weight_watch`). Version counters and the content fingerprint
-      are local: a rank holding no rows of a group sees no write while the others do, and
-      deciding locally would make the ranks issue different collectives. The agreed flags need
-      **one host read per root forward** (``tolist``) when the content is compared: the one
-      documented exception to "no host synchronisation in steady state", for these strategies
-      only. With ``set_detect_data_writes(False)`` only host facts are agreed, over the CPU twin
-      group (no device read); a write through ``.data`` must then be announced.
-    * FP8 groups need one scale per parameter that every rank shares: the max of the ranks'
-      amax. The scales stay on the device (no host read).
-    """
-    persistent = [g for s in ctx.states for g in s.groups if g.persistent]
-    checked = [g for g in persistent if g.compares_on_device]
-    _agree_on_host_facts(ctx, [g for g in persistent if not g.compares_on_device])
-    fp8 = [g for s in ctx.states for g in s.groups if g.fp8 is not None]
-    if not checked and not fp8:
-        return
-    from .fp8 import agree_scales
-
-    groups = checked + fp8
-    device = groups[0].device
-    parts = []
-    if checked:
-        one = torch.ones((), dtype=torch.float32, device=device)
-        parts.append(torch.stack([g.changed_flag(one) for g in checked]))
-    parts += [g.fp8.local_amax() for g in fp8]
-    vec = torch.cat(parts) if len(parts) > 1 else parts[0]
-    # One collective over the shard group (groups of one rank, e.g. no_shard's, need none: their
-    # gathers involve no other rank, and a MAX with the others' flags is merely conservative).
-    comm = next((g.comm for g in groups if g.comm.world_size > 1), None)
-    if comm is not None:
-        label = f"gather agreement (changed flags, fp8 amax) at the forward of step {ctx.step}"
-        comm.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, label=label).wait()
-    if checked:
-        for g, f in zip(checked, vec[: len(checked)].tolist()):
-            g.agreed_stale = f > 0
-    agree_scales(fp8, vec, len(checked))
-
-
-def _agree_on_host_facts(ctx: RootContext, groups: list) -> None:
-    """Persistent groups without the content check, or whose main weights live in host memory
-    (CPU offload): agree on what the hosts know (a step, an announced write, a moved version
-    counter; offloaded: the content fingerprint too) over the CPU twin group -- no device read."""
-    if not groups:
-        return
-    flags = host_tensor([1.0 if g.host_flag() else 0.0 for g in groups], torch.float32)
-    comm = next((g.comm.host() for g in groups if g.comm.world_size > 1), None)
-    if comm is not None:
-        label = f"gather agreement (changed flags, host) at the forward of step {ctx.step}"
-        comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, label=label).wait()
-    for g, f in zip(groups, flags.tolist()):  # a CPU tensor: no device synchronisation
-        g.agreed_stale = f > 0
 
 
 def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):

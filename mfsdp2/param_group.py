@@ -163,7 +163,7 @@ class ParameterGroup(GradientReduction):
         self.needs_init = params[0].is_meta
         self._build_buffers(torch.device("meta") if self.needs_init else device)
         # Persistent weights: the ranks' agreed answer to "did the weights change on any rank since
-        # the last gather" (set at the root's forward, see hooks._agree_on_gathers).
+        # the last gather" (set at the root's forward, see weight_watch.agree_on_gathers).
         self.agreed_stale = False
         # An optimizer step or an announced write since the last gather (the same on every rank).
         self.changed = True

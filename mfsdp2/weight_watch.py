@@ -16,7 +16,7 @@ own counter. So a group counts as changed when any of these says so:
   last gather: the catch-all for silent writes.
 
 The last two are local facts -- a rank holding no rows of a parameter sees nothing -- so the
-root's forward agrees on them with the existing per-forward all-reduce (``hooks._agree_on_gathers``).
+root's forward agrees on them with the existing per-forward all-reduce (:func:`agree_on_gathers`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["fingerprint", "watch"]
+from .comm import host_tensor
+
+__all__ = ["agree_on_gathers", "fingerprint", "watch"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,3 +97,61 @@ def watch(group) -> None:
     _groups.add(group)
     if _hook_handle is None:
         _hook_handle = register_optimizer_step_post_hook(_on_optimizer_step)
+
+
+def agree_on_gathers(ctx) -> None:
+    """At the root's forward (``ctx``: its RootContext): one small all-reduce (MAX) for every
+    unit at once, when some groups keep persistent weights or gather in FP8.
+
+    * Persistent weights (``optim``, ``optim_grads``, ``no_shard``) are re-gathered only when
+      they changed (see the module docstring). Version counters and the content fingerprint
+      are local: a rank holding no rows of a group sees no write while the others do, and
+      deciding locally would make the ranks issue different collectives. The agreed flags need
+      **one host read per root forward** (``tolist``) when the content is compared: the one
+      documented exception to "no host synchronisation in steady state", for these strategies
+      only. With ``set_detect_data_writes(False)`` only host facts are agreed, over the CPU twin
+      group (no device read); a write through ``.data`` must then be announced.
+    * FP8 groups need one scale per parameter that every rank shares: the max of the ranks'
+      amax. The scales stay on the device (no host read).
+    """
+    persistent = [g for s in ctx.states for g in s.groups if g.persistent]
+    checked = [g for g in persistent if g.compares_on_device]
+    _agree_on_host_facts(ctx, [g for g in persistent if not g.compares_on_device])
+    fp8 = [g for s in ctx.states for g in s.groups if g.fp8 is not None]
+    if not checked and not fp8:
+        return
+    from .fp8 import agree_scales
+
+    groups = checked + fp8
+    device = groups[0].device
+    parts = []
+    if checked:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        parts.append(torch.stack([g.changed_flag(one) for g in checked]))
+    parts += [g.fp8.local_amax() for g in fp8]
+    vec = torch.cat(parts) if len(parts) > 1 else parts[0]
+    # One collective over the shard group (groups of one rank, e.g. no_shard's, need none: their
+    # gathers involve no other rank, and a MAX with the others' flags is merely conservative).
+    comm = next((g.comm for g in groups if g.comm.world_size > 1), None)
+    if comm is not None:
+        label = f"gather agreement (changed flags, fp8 amax) at the forward of step {ctx.step}"
+        comm.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, label=label).wait()
+    if checked:
+        for g, f in zip(checked, vec[: len(checked)].tolist()):
+            g.agreed_stale = f > 0
+    agree_scales(fp8, vec, len(checked))
+
+
+def _agree_on_host_facts(ctx, groups: list) -> None:
+    """Persistent groups without the content check, or whose main weights live in host memory
+    (CPU offload): agree on what the hosts know (a step, an announced write, a moved version
+    counter; offloaded: the content fingerprint too) over the CPU twin group -- no device read."""
+    if not groups:
+        return
+    flags = host_tensor([1.0 if g.host_flag() else 0.0 for g in groups], torch.float32)
+    comm = next((g.comm.host() for g in groups if g.comm.world_size > 1), None)
+    if comm is not None:
+        label = f"gather agreement (changed flags, host) at the forward of step {ctx.step}"
+        comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, label=label).wait()
+    for g, f in zip(groups, flags.tolist()):  # a CPU tensor: no device synchronisation
+        g.agreed_stale = f > 0

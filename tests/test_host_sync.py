@@ -13,7 +13,7 @@ and are not counted. The CUDA variant below checks the real thing with
 
 Expected per steady-state step (forward, backward, optimizer step): 0 for ZeRO-3, FP8 all-gather
 and HSDP (which also covers the end-of-backward gradient-presence agreement at world size > 1);
-exactly 1 (the agreed changed-weights flags, ``hooks._agree_on_gathers``) for ZeRO-1/2 and for
+exactly 1 (the agreed changed-weights flags, ``weight_watch.agree_on_gathers``) for ZeRO-1/2 and for
 no_shard with a compute dtype other than the main weights', 0 for no_shard computing with the main
 weights themselves (nothing to re-gather), and 0 for all of them after
 ``set_detect_data_writes(False)`` (host facts agreed on the CPU).
