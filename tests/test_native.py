@@ -253,3 +253,11 @@ def test_fp8_training_is_bit_identical_with_the_kernels():
         assert losses == ref_losses
         for name, p in params.items():
             assert torch.equal(p, ref_params[name]), name
+
+
+@pytest.mark.skipif(os.environ.get("MFSDP2_EXPECT_NATIVE") != "1", reason="only where the build must have succeeded (CI)")
+def test_the_extension_was_built_where_the_build_is_required():
+    """``.ci/run`` sets MFSDP2_EXPECT_NATIVE=1: ``make native`` only prints a message when the
+    build fails (users without a compiler still get the reference paths), so without this a broken
+    build would leave CI green while every native test skipped."""
+    assert native.available(), "MFSDP2_EXPECT_NATIVE=1 but the native extension did not load (see make native's output)"
