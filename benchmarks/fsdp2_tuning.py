@@ -128,10 +128,13 @@ def main(argv=None) -> int:
     print(f"wall time {wall:.0f}s")
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        # Everything gathered before the file is opened: machine_info() reads the previous
+        # benchmarks/results/fsdp2_tuning.json (the "tuned" choice), which "w" would truncate.
+        payload = {"cases": results, "geomean_ratio_vs_default": geo, "winner": winner,
+                   "machine": C.machine_info(), "date": C.now_iso(), "command": command,
+                   "wall_s": wall, "world_size": a.world_size}
         with open(a.json, "w") as f:
-            json.dump({"cases": results, "geomean_ratio_vs_default": geo, "winner": winner,
-                       "machine": C.machine_info(), "date": C.now_iso(), "command": command,
-                       "wall_s": wall, "world_size": a.world_size}, f, indent=1)
+            json.dump(payload, f, indent=1)
         print(f"wrote {a.json}")
     return 0
 
