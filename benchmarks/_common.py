@@ -484,7 +484,7 @@ FSDP2_TUNINGS = {
 # The fastest of the candidates per backend when no tuning run was recorded (CPU: from the runs in
 # docs/benchmarks.md "The FSDP2 baseline"). CUDA's collectives already run on side streams with
 # ``async_op=False``; there explicit prefetch is the documented overlap knob (not measured here).
-FSDP2_TUNED = {"cpu": "async", "cuda": "prefetch1"}
+FSDP2_TUNED = {"cpu": "async_prefetch1", "cuda": "prefetch1"}  # cpu: fsdp2_tuning.json of 2026-11-24
 # A recorded ``benchmarks/fsdp2_tuning.py --json`` run overrides the CPU choice with its measured
 # winner (``make bench-record`` records it first), so "tuned" is always the fastest measured here.
 TUNING_JSON = os.path.join(REPO, "benchmarks", "results", "fsdp2_tuning.json")
