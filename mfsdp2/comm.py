@@ -105,6 +105,10 @@ class CommStats:
     reduce_scatter_calls: int = 0
     all_reduce_bytes: int = 0
     all_reduce_calls: int = 0
+    # Sharded groups reduced as their share of a bucketed all-reduce (mfsdp2.grad_buckets) instead
+    # of a reduce-scatter of their own: with ``reduce_scatter_calls``, one per unit reduction.
+    reduce_scatters_in_buckets: int = 0
+    all_reduce_buckets: int = 0  # of ``all_reduce_calls``: the bucketed gradient all-reduces
 
     def reset(self) -> None:
         for k in self.as_dict():
@@ -369,6 +373,17 @@ class Communicator:
         if not (self.p2p_reduce_scatter and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)):
             return False
         return input_bytes >= SMALL_REDUCE_SCATTER_BYTES
+
+    def reduce_scatter_is_all_reduce(self, op, input_bytes: int) -> bool:
+        """Whether :meth:`reduce_scatter` of ``input_bytes`` runs as an all-reduce of the whole
+        input (gloo, below :data:`SMALL_REDUCE_SCATTER_BYTES`): such a reduction may then share
+        a bucketed all-reduce with other groups' (``mfsdp2.grad_buckets``) at no extra bytes."""
+        return (
+            self.world_size > 1
+            and self.p2p_reduce_scatter
+            and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+            and not self._p2p_path(op, input_bytes)
+        )
 
     def reduce_scatter_scratch_numel(self, shard_numel: int, op=dist.ReduceOp.AVG, itemsize: int = 4) -> int:
         """Elements of receive scratch :meth:`reduce_scatter` wants for a ``shard_numel`` output

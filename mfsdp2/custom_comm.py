@@ -37,6 +37,10 @@ class CustomCommunicator:
     def __getattr__(self, name):
         return getattr(self.base, name)
 
+    def reduce_scatter_is_all_reduce(self, op, input_bytes: int) -> bool:
+        """A custom reduce-scatter is the user's to call: never folded into a bucketed all-reduce."""
+        return self.custom_reduce_scatter is None and self.base.reduce_scatter_is_all_reduce(op, input_bytes)
+
     def _issue(self, stream, fn, label: str) -> CommHandle:
         base = self.base
         if stream is None:

@@ -1,4 +1,6 @@
-"""Bucketed gradient all-reduce for the full-gradient strategies (``no_shard``, ZeRO-1 ``optim``).
+"""Bucketed gradient all-reduce for the full-gradient strategies (``no_shard``, ZeRO-1 ``optim``),
+and for sharded-gradient groups whose reduce-scatter is a whole all-reduce anyway (gloo, small
+groups: ``Communicator.reduce_scatter_is_all_reduce``), which then take their rows of the result.
 
 Why: these strategies reduce every unit's whole flat gradient with one all-reduce. With many small
 units (64 ``Linear(64, 64)`` blocks) a step is then dozens of collectives of a few KiB, each paying
@@ -41,7 +43,7 @@ from typing import Any, Optional
 import torch
 
 from .allocator import BucketAllocator
-from .comm import CommHandle
+from .comm import CommHandle, comm_stats
 from .profiling import trace_range
 
 __all__ = ["GradientBuckets", "BucketMemberHandle", "DEFAULT_BUCKET_CAP_MB"]
@@ -227,6 +229,7 @@ class GradientBuckets:
             flat = bucket.block[: bucket.used]
             bucket.handle = bucket.comm.all_reduce(flat, bucket.op, label=bucket.label)
         self.issued_count += 1
+        comm_stats.all_reduce_buckets += 1
         self._in_flight.append(bucket)
         while len(self._in_flight) > self.max_in_flight:
             self.complete(self._in_flight[0])

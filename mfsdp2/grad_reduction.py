@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .allocator import BucketAllocator
-from .comm import CommHandle
+from .comm import CommHandle, comm_stats
 from .grad_buckets import BucketMemberHandle, GradientBuckets
 from .te import detach_main_grads
 from .tensor_parallel import local_grad
@@ -150,11 +150,25 @@ class GradientReduction:
     def _bucket_comm(self):
         """The communicator of the one all-reduce that reduces this group when that all-reduce may
         share a bucket with other groups' (:mod:`mfsdp2.grad_buckets`): full-gradient strategies
-        with a single stage -- ZeRO-1 over its shard group, no_shard over the replicas. None for
-        two-stage reductions (HSDP ZeRO-1, an HSDP partial sum waiting), TE's fused buffers and
-        groups with nobody to reduce with."""
-        if not self.full_grads or self.fused_full is not None or self.partial is not None:
+        with a single stage -- ZeRO-1 over its shard group, no_shard over the replicas -- and
+        sharded-gradient groups whose reduce-scatter is an all-reduce of the whole flat gradient
+        anyway (gloo, small groups, two ranks: ``Communicator.reduce_scatter_is_all_reduce``; 64
+        small units paid 64 collectives of ~1 ms each). None for two-stage reductions (HSDP, an
+        HSDP partial sum waiting), TE's fused buffers, a user's custom reduce-scatter and groups
+        with nobody to reduce with."""
+        if self.fused_full is not None or self.partial is not None:
             return None
+        if not self.full_grads:
+            # Two ranks only: a two-term sum is the same float in either order, so the bucketed
+            # all-reduce gives bit-identical gradients to the group's own one. With more ranks,
+            # gloo's summation order depends on where the gradient sits in the buffer, i.e. on the
+            # bucket plan (which a fresh or resumed model makes differently): a resumed run would
+            # no longer repeat the uninterrupted one bit for bit, as FSDP2's does.
+            if self.replicate_comm is not None or self.comm.world_size != 2:
+                return None
+            nbytes = self.layout.total_numel * self.reduce_dtype.itemsize
+            # weights.comm: the one the reduce-scatter would go through (a user's custom one included)
+            return self.comm if self.weights.comm.reduce_scatter_is_all_reduce(self._reduce_ops()[1], nbytes) else None
         if self.replicate_comm is None:
             comm = self.comm
         elif self.comm.world_size == 1 and self.requires_all_reduce:
@@ -227,9 +241,14 @@ class GradientReduction:
         the unbucketed path, nothing accumulated is visible, the dtypes match and the main
         gradient is compute memory (not CPU offloaded): the slice then *is* the main gradient from
         now on (no copy); otherwise the reduced slice is copied (offloaded: to host memory) or
-        added into the main gradient when the bucket is done."""
+        added into the main gradient when the bucket is done. A sharded-gradient group is never
+        direct: its result is this rank's rows of the reduced slice (what the in-place
+        reduce-scatter it replaces takes), copied into its own shard-size main gradient, so the
+        bucket's block goes back as soon as the bucket is done."""
+        sharded = not self.full_grads
         direct = (
-            not self.main.offloaded
+            not sharded
+            and not self.main.offloaded
             and self.reduce_dtype == self.grad_dtype
             and self.main_grad is None
             and all(dp.grad is None for dp in self.dist_params)
@@ -242,8 +261,11 @@ class GradientReduction:
             self.main_grad_full = full
             self.main_grad = self.weights.local_slice(full)
             self._main_grad_bucket = (buckets, bucket)
+        out = self.weights.local_slice(full) if sharded else full
+        if sharded:
+            comm_stats.reduce_scatters_in_buckets += 1
         self._pending_reduce = _PendingReduce(
-            BucketMemberHandle(buckets, bucket), direct, full, tuple(has_grad), key, False, op,
+            BucketMemberHandle(buckets, bucket), direct, out, tuple(has_grad), key, False, op,
             stage="ar", bucket=bucket, buckets=buckets,
         )
         buckets.packed(bucket)

@@ -338,10 +338,11 @@ class FSDPModule:
 
     def set_all_reduce_bucket_cap_mb(self, mb: float) -> None:
         """Bucket size, in MiB, of the gradient all-reduces of the full-gradient strategies
-        (``no_shard``, ZeRO-1 ``optim``): consecutive units' gradients, in backward order, are
-        all-reduced together up to this size (root only; default 25, torch DDP's
-        ``bucket_cap_mb``). 0 turns bucketing off: every unit all-reduces its own gradients as
-        soon as they are packed. Takes effect from the second backward after the call (the first
+        (``no_shard``, ZeRO-1 ``optim``) and of small ZeRO-2/3 units on gloo (whose reduce-scatter
+        is an all-reduce of the whole gradient there): consecutive units' gradients, in backward
+        order, are all-reduced together up to this size (root only; default 25, torch DDP's
+        ``bucket_cap_mb``). 0 turns bucketing off: every unit reduces its own gradients as
+        soon as they are packed (FSDP2's one reduce-scatter per unit). Takes effect from the second backward after the call (the first
         records the order the buckets are planned from). See :mod:`mfsdp2.grad_buckets`."""
         state = self._mfsdp2_state
         lazy_init(state)

@@ -1,5 +1,6 @@
-"""Bucketed gradient all-reduce of the full-gradient strategies (no_shard, ZeRO-1; see
-mfsdp2/grad_buckets.py).
+"""Bucketed gradient all-reduce of the full-gradient strategies (no_shard, ZeRO-1) and of the
+sharded-gradient ones (ZeRO-2, ZeRO-3) whose small units' reduce-scatter is a gloo all-reduce
+anyway (see mfsdp2/grad_buckets.py).
 
 * Parity in float64 against the unsharded model (REL_F64, see tests/models.py), with buckets that
   span every unit (DDP's 25 MiB), two units, and one group each (a 1-byte cap): training steps,
@@ -35,6 +36,10 @@ BLOCK = 32 + (16 * 40 + 40) + (40 * 16 + 16)  # elements of one block's group (n
 # group per bucket.
 CAPS = {"ddp": 25.0, "two_units": 2.5 * BLOCK * 8 / 2**20, "one_unit": 1 / 2**20}
 BUCKETS_PER_STEP = {"ddp": 1, "two_units": 2, "one_unit": 4}  # 3 blocks + the root
+# Full-gradient strategies, and the sharded ones (every group here is below comm's
+# SMALL_REDUCE_SCATTER_BYTES at world size 2, so its reduce-scatter is an all-reduce on gloo;
+# sharded groups share buckets at two ranks only, where the result is bit-identical).
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 class SkipNet(Net):
@@ -103,7 +108,7 @@ def _twice(model, rank, ws, step, check) -> None:
 def _bucket_run(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     out = {}
-    for strategy in ("no_shard", "optim"):
+    for strategy in STRATEGIES:
         for cap_name, cap in CAPS.items():
             where = f"{strategy}/{cap_name} rank {rank}"
             model = _shard(_build(), mesh, strategy)
@@ -168,7 +173,7 @@ def _count_run(rank, ws):
 
     mesh = init_device_mesh("cpu", (ws,))
     counts = {}
-    for strategy in ("no_shard", "optim"):
+    for strategy in STRATEGIES:
         for cap_name, cap in CAPS.items():
             model = _shard(_build(), mesh, strategy)
             model.set_all_reduce_bucket_cap_mb(cap)
@@ -183,7 +188,7 @@ def _count_run(rank, ws):
 
 def test_bucketing_cuts_all_reduces_by_the_groups_sharing_a_bucket():
     for counts in run_ranks(_count_run, 2):
-        for strategy in ("no_shard", "optim"):
+        for strategy in STRATEGIES:
             base = counts[(strategy, "one_unit")]  # one all-reduce per group, plus the step's others
             for cap_name in CAPS:
                 saved = BUCKETS_PER_STEP["one_unit"] - BUCKETS_PER_STEP[cap_name]
@@ -306,3 +311,33 @@ def test_failed_bucket_is_leaked_not_freed():
         assert r["freed_buckets"] == [], r
         assert r["leaked"] >= 1, r
         assert not any(r["main_grads"]) and not any(r["pending"]), r
+
+
+def _bits_run(rank, ws):
+    """ZeRO-3 with buckets (default) and without: the trained weights, and how many unit
+    reductions went into buckets."""
+    from mfsdp2.comm import comm_stats
+
+    mesh = init_device_mesh("cpu", (ws,))
+    out = {}
+    for cap in (25.0, 0.0):
+        model = _shard(_build(), mesh, "optim_grads_params")
+        model.set_all_reduce_bucket_cap_mb(cap)
+        opt = make_opt("adamw", model.parameters())
+        comm_stats.reset()
+        for step in range(STEPS):
+            sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH)
+        out[cap] = ({k: p.full_tensor() for k, p in model.named_parameters()}, comm_stats.reduce_scatters_in_buckets)
+    return out
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_sharded_groups_share_buckets_at_two_ranks_with_identical_bits(ws):
+    """Two ranks: the small ZeRO-3 units reduce in buckets and train bit for bit as with one
+    reduction each. Four ranks: gloo's summation order would depend on the bucket layout, so they
+    keep their own reductions (a resumed run repeats the uninterrupted one exactly)."""
+    for out in run_ranks(_bits_run, ws):
+        (bucketed, n_bucketed), (alone, n_alone) = out[25.0], out[0.0]
+        assert n_alone == 0 and (n_bucketed > 0) == (ws == 2), (ws, n_bucketed, n_alone)
+        for k in alone:
+            assert torch.equal(bucketed[k], alone[k]), f"ws {ws} {k}"

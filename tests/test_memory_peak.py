@@ -49,6 +49,9 @@ def _peak(rank, ws, allocator):
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh, allocator=allocator)
+    # The per-unit schedule's peak is what this checks: small units at two ranks on gloo would hold
+    # their flat gradients in a shared all-reduce bucket instead (up to its cap).
+    model.set_all_reduce_bucket_cap_mb(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(rank)
     stats = None

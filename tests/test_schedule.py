@@ -140,6 +140,9 @@ def _run_one(rank, ws, cfg):
     for b in model.blocks:
         fully_shard(b, mesh=mesh, reshard_after_forward=cfg.get("reshard_after_forward", True))
     fully_shard(model, mesh=mesh)
+    # This file checks the per-unit reduce-scatter schedule; small units at two ranks on gloo would
+    # share bucketed all-reduces instead (tests/test_grad_buckets.py).
+    model.set_all_reduce_bucket_cap_mb(0)
     if not cfg.get("reshard_after_backward", True):
         model.set_reshard_after_backward(False)
     params = dict(model.named_parameters())  # the DTensors the optimizer owns, by name

@@ -69,7 +69,8 @@ def accumulation(shard, mesh, rank, lib, mode, raf, rab):
         if lib == "fsdp2":
             out["counts"].append((c[_counting.NAMES[0]], c[_counting.NAMES[1]]))
         else:
-            out["counts"].append((comm_stats.all_gather_calls, comm_stats.reduce_scatter_calls))
+            # Small units on gloo reduce in a shared all-reduce bucket: one reduction each still.
+            out["counts"].append((comm_stats.all_gather_calls, comm_stats.reduce_scatter_calls + comm_stats.reduce_scatters_in_buckets))
         out["grads"].append(snapshot(model))
         opt.step()
         opt.zero_grad(set_to_none=step % 2 == 1)  # step 0 keeps zeroed gradients to accumulate onto

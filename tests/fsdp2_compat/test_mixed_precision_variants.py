@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp2 import compat
 from mfsdp2.comm import Communicator
+from mfsdp2.grad_buckets import GradientBuckets
 
 from . import assert_same_snapshots, mean_loss, runtimes, snapshot
 from .._dist import run_ranks
@@ -62,13 +63,23 @@ def _reduce_dtypes():
         seen.append(inp.dtype)
         return plain_ours(self, out, inp, *a, **k)
 
+    # Small units at two ranks on gloo reduce in shared all-reduce buckets instead.
+    plain_issue = GradientBuckets.issue
+
+    def bucket(self, b):
+        if not b.issued:
+            seen.append(b.block.dtype)
+        return plain_issue(self, b)
+
     setattr(dist, name, theirs)
     Communicator.reduce_scatter = ours
+    GradientBuckets.issue = bucket
     try:
         yield seen
     finally:
         setattr(dist, name, plain_dist)
         Communicator.reduce_scatter = plain_ours
+        GradientBuckets.issue = plain_issue
 
 
 POLICIES = {

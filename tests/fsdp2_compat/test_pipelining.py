@@ -113,7 +113,10 @@ def _train(rank, mesh, runtime, schedule, stage_cls, raf, reshard_after_backward
         if runtime == "fsdp2":
             counts = tuple(counted[n] for n in _counting.NAMES)
         else:
-            counts = (comm_stats.all_gather_calls, comm_stats.reduce_scatter_calls, comm_stats.all_reduce_calls)
+            # A unit's reduction shared a bucketed all-reduce (small units, two ranks, gloo): counted
+            # as the reduce-scatter it replaces, and that bucket's all-reduce not at all.
+            counts = (comm_stats.all_gather_calls, comm_stats.reduce_scatter_calls + comm_stats.reduce_scatters_in_buckets,
+                      comm_stats.all_reduce_calls - comm_stats.all_reduce_buckets)
         out.append(([t.item() for t in losses], {k: (full(p), full(p.grad)) for k, p in named}, counts))
         opt.step()
         opt.zero_grad()
