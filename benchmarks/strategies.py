@@ -24,7 +24,7 @@ unshard + explicit forward / backward prefetch of the next unit):
 * group ``ddp`` (fp32):
 
   - ``no_shard``    mfsdp2 ``"no_shard"`` (DDP-like)
-  - ``zero1``       mfsdp2 ``"optim"`` (ZeRO-1: full weights and full gradients)
+  - ``zero1``       mfsdp2 ``"optim"`` (ZeRO-1: full weights and full gradients, reduce-scattered)
   - ``ddp``         torch ``DistributedDataParallel`` (``gradient_as_bucket_view=True``,
     ``broadcast_buffers=False``, default 25 MiB buckets; the Python ``allreduce_hook`` is
     registered as its comm hook so that its all-reduces go through ``dist.all_reduce`` and are

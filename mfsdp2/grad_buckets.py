@@ -1,6 +1,7 @@
-"""Bucketed gradient all-reduce for the full-gradient strategies (``no_shard``, ZeRO-1 ``optim``),
-and for sharded-gradient groups whose reduce-scatter is a whole all-reduce anyway (gloo, small
-groups: ``Communicator.reduce_scatter_is_all_reduce``), which then take their rows of the result.
+"""Bucketed gradient all-reduce for ``no_shard``, and for groups whose reduce-scatter is a whole
+all-reduce anyway (gloo, small groups: ``Communicator.reduce_scatter_is_all_reduce``): ZeRO-1's
+(its full-size main gradient may be the bucket's slice) and ZeRO-2/3's at two ranks (which take
+their rows of the result).
 
 Why: these strategies reduce every unit's whole flat gradient with one all-reduce. With many small
 units (64 ``Linear(64, 64)`` blocks) a step is then dozens of collectives of a few KiB, each paying

@@ -1,7 +1,7 @@
 """The gradient-reduction path of a :class:`~mfsdp2.param_group.ParameterGroup`: pack the
 unsharded gradients into one flat buffer, issue its reduction (reduce-scatter over the shard
-group, or all-reduce for the full-gradient strategies; HSDP's all-reduce across replicas as a
-second stage), accumulate the result into the main gradient and expose it as the DTensor
+group -- ZeRO-1's too, into its rows of the full-size main gradient -- or all-reduce for no_shard;
+HSDP's all-reduce across replicas as a second stage), accumulate the result into the main gradient and expose it as the DTensor
 parameters' ``.grad``.
 
 Why a file of its own: this is the half of a group that runs in backward and owns the reduction
@@ -147,6 +147,14 @@ class GradientReduction:
         self.fused_full = None
         return has_grad
 
+    @property
+    def all_reduces_full(self) -> bool:
+        """Whether the group's own reduction is an all-reduce of the whole flat gradient (no_shard:
+        a shard group of one rank) rather than a reduce-scatter into this rank's rows (the
+        sharded strategies, and ZeRO-1, whose optimizer steps only its rows too; its full-size
+        main gradient is kept for accumulation, not reduced whole)."""
+        return self.full_grads and self.comm.world_size == 1
+
     def _bucket_comm(self):
         """The communicator of the one all-reduce that reduces this group when that all-reduce may
         share a bucket with other groups' (:mod:`mfsdp2.grad_buckets`): full-gradient strategies
@@ -169,9 +177,16 @@ class GradientReduction:
             nbytes = self.layout.total_numel * self.reduce_dtype.itemsize
             # weights.comm: the one the reduce-scatter would go through (a user's custom one included)
             return self.comm if self.weights.comm.reduce_scatter_is_all_reduce(self._reduce_ops()[1], nbytes) else None
-        if self.replicate_comm is None:
+        if self.comm.world_size > 1:
+            # ZeRO-1: its own reduce-scatter (half an all-reduce's bytes: each rank steps its rows
+            # only), unless that reduce-scatter is a whole all-reduce anyway (gloo, small groups).
+            nbytes = self.layout.total_numel * self.reduce_dtype.itemsize
+            if self.replicate_comm is not None or not self.weights.comm.reduce_scatter_is_all_reduce(self._reduce_ops()[1], nbytes):
+                return None
             comm = self.comm
-        elif self.comm.world_size == 1 and self.requires_all_reduce:
+        elif self.replicate_comm is None:
+            comm = self.comm
+        elif self.requires_all_reduce:
             comm = self.replicate_comm
         else:
             return None
@@ -186,8 +201,8 @@ class GradientReduction:
 
         Parameters with no local gradient contribute zeros so every rank issues the same
         collective; call :meth:`finish_reduce` to accumulate the result into ``main_grad``.
-        Sharded-gradient strategies reduce-scatter over the shard group; full-gradient ones
-        all-reduce; HSDP then all-reduces across replicas in :meth:`finish_reduce`.
+        Sharded-gradient strategies and ZeRO-1 reduce-scatter over the shard group; no_shard
+        all-reduces; HSDP then all-reduces across replicas in :meth:`finish_reduce`.
 
         With ``buckets`` (the root's :class:`~mfsdp2.grad_buckets.GradientBuckets`, enabled) a
         single-stage all-reduce packs into a slice of a shared bucket instead, issued with the
@@ -215,13 +230,13 @@ class GradientReduction:
         with torch.no_grad():
             if self.fused_full is not None:
                 full, direct = self.fused_full, False  # TE wrote into it: ("grad", key)
-            elif self.full_grads and direct:
+            elif self.all_reduces_full and direct:
                 self._ensure_main_grad(allocator, zero=False)
                 full = self.main_grad_full
             else:
                 full = allocator.allocate(("grad", key), layout.total_numel, self.reduce_dtype, self.device)
             has_grad = self._pack(full, prescale)
-            if self.full_grads:
+            if self.all_reduces_full:
                 out = full
                 handle = self.comm.all_reduce(full, op, label=label)
             else:
@@ -344,9 +359,9 @@ class GradientReduction:
             allocator.free(("rs_recv", key))
 
     def _free_out(self, allocator: BucketAllocator, p: _PendingReduce) -> None:
-        if not p.direct and not self.full_grads:
+        if not p.direct and not self.all_reduces_full:
             allocator.free(("rs_out", p.key))
-        if self.full_grads:
+        if self.all_reduces_full:
             self._free_reduce_buffers(allocator, p.key)  # out was the ("grad", key) buffer
 
     def abort(self, allocator: BucketAllocator) -> None:
@@ -425,7 +440,7 @@ class GradientReduction:
         out = p.out
         with torch.no_grad():
             if p.stage == "rs":
-                if not self.full_grads:
+                if not self.all_reduces_full:
                     self._free_reduce_buffers(allocator, p.key)
                 if self.replicate_comm is not None and not p.all_reduce:
                     # set_requires_all_reduce(False): keep the shard-group sum for the next all-reduce.
@@ -479,8 +494,11 @@ class GradientReduction:
     def _accumulate(self, allocator: BucketAllocator, out: torch.Tensor) -> None:
         """main_grad += out, restarting at zero the parameters whose grad the user cleared."""
         self._ensure_main_grad(allocator, zero=True)
-        dst = self.main_grad_full if self.full_grads else self.main_grad
-        view = self.weights.param_view if self.full_grads else self.weights.piece_view
+        # A full-size result (no_shard; ZeRO-1's share of a bucket) goes into the full main
+        # gradient, a shard-size one (ZeRO-1's reduce-scatter; the sharded strategies) into its rows.
+        full_out = self.full_grads and out.numel() == self.layout.total_numel
+        dst = self.main_grad_full if full_out else self.main_grad
+        view = self.weights.param_view if full_out else self.weights.piece_view
         overwrite = [dp.grad is None for dp in self.dist_params]
         if self.main.offloaded:
             self.copy_outs += 1  # the compute device's result into host memory (tests count these)

@@ -206,7 +206,9 @@ class FSDPModule:
             if what == "reduce_scatter" and g.full_grads:
                 raise ValueError(
                     f"mfsdp2: set_custom_reduce_scatter on {state.name!r}: sharding_strategy="
-                    f"{g.strategy.value!r} reduces full gradients by all-reduce, there is no reduce-scatter to replace"
+                    f"{g.strategy.value!r} keeps full gradients (all-reduced, or reduce-scattered into its "
+                    "full-size main gradient): a custom reduce-scatter is supported with the sharded-gradient "
+                    "strategies only"
                 )
         for g in state.groups:
             w = g.weights
@@ -337,9 +339,8 @@ class FSDPModule:
         state.ctx.schedule.prefetch_depth = depth
 
     def set_all_reduce_bucket_cap_mb(self, mb: float) -> None:
-        """Bucket size, in MiB, of the gradient all-reduces of the full-gradient strategies
-        (``no_shard``, ZeRO-1 ``optim``) and of small ZeRO-2/3 units on gloo (whose reduce-scatter
-        is an all-reduce of the whole gradient there): consecutive units' gradients, in backward
+        """Bucket size, in MiB, of the gradient all-reduces of ``no_shard`` and of small ZeRO-1/2/3
+        units on gloo (whose reduce-scatter is an all-reduce of the whole gradient there): consecutive units' gradients, in backward
         order, are all-reduced together up to this size (root only; default 25, torch DDP's
         ``bucket_cap_mb``). 0 turns bucketing off: every unit reduces its own gradients as
         soon as they are packed (FSDP2's one reduce-scatter per unit). Takes effect from the second backward after the call (the first

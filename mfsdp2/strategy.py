@@ -18,8 +18,9 @@ weights (no second copy). Strategies that keep full model weights gather them on
 step or other change of the weights (see :mod:`mfsdp2.weight_watch`: step hook, version counters,
 content fingerprint; the ranks agree with one small all-reduce per forward, read on the host)
 instead of once per forward and once per backward.
-Strategies that keep full gradients all-reduce them (as DeepSpeed's ZeRO-1 and DDP do); the
-others reduce-scatter.
+no_shard all-reduces its gradients (as DDP does); the others reduce-scatter -- ZeRO-1 too, into
+this rank's rows of its full-size gradient (the rows its optimizer steps; the full size is where
+micro-batches accumulate without communication), as Megatron's distributed optimizer does.
 
 Topology: a 1-D mesh is the shard group. A 2-D mesh ``(replicate, shard)`` is HSDP: gradients
 are reduce-scattered inside the shard group and then all-reduced across the replicate group (the

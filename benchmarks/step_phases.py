@@ -1,0 +1,119 @@
+"""Where a training step's time goes: forward, backward, ``optimizer.step()`` and ``zero_grad``,
+timed apart, for mfsdp2's strategies, torch DDP and torch FSDP2 on one model.
+
+    python benchmarks/step_phases.py [--model tiny|mlp|llama] [--frameworks ddp,no_shard,...]
+                                     [--steps N] [--foreach] [--json PATH]
+
+Why: the whole-step ratios of ``strategies.py`` say *that* mfsdp2's no_shard / ZeRO-1 are slower
+than DDP on the 64-unit ``tiny`` model, not *where*. Splitting the step separates what the runtime
+does (hooks in forward and backward, collectives) from what the optimizer does: torch's
+``AdamW`` picks its per-parameter for-loop on CPU (its foreach path is CUDA's default), and over
+DTensor parameters -- mfsdp2's and FSDP2's alike -- every per-parameter op goes through DTensor's
+dispatch, while DDP steps plain tensors. ``--foreach`` runs every framework with
+``AdamW(foreach=True)`` (the default a CUDA user gets) to show that part with the dispatch
+amortised over the parameter list.
+
+Frameworks: ``ddp`` (torch DistributedDataParallel), ``no_shard`` / ``optim`` / ``optim_grads`` /
+``zero3`` (mfsdp2's strategies, ``zero3`` = ``optim_grads_params``), ``fsdp2`` / ``fsdp2_tuned``
+(torch FSDP2 as shipped / with ``_common.FSDP2_TUNED``). Each rank trains every framework in turn
+on the same seeded model and batches (fp32, world size 2); per phase: the median over the timed
+steps of rank 0, after a barrier before each step. Phases are timed on the host: asynchronous
+collectives left in flight by one phase are paid in the phase that waits for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+
+PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
+MFSDP2 = {"no_shard": "no_shard", "optim": "optim", "optim_grads": "optim_grads", "zero3": "optim_grads_params"}
+
+
+def _build(fw: str, ref, mesh):
+    if fw == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(copy.deepcopy(ref), broadcast_buffers=False, gradient_as_bucket_view=True)
+    if fw in MFSDP2:
+        return C.shard(copy.deepcopy(ref), "mfsdp2", "fp32", mesh, sharding_strategy=MFSDP2[fw])
+    if fw in ("fsdp2", "fsdp2_tuned"):
+        return C.shard(copy.deepcopy(ref), fw, "fp32", mesh)
+    raise ValueError(f"unknown framework {fw!r}")
+
+
+def worker(rank: int, ws: int, args: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ws,))
+    ref = C.build_model(args["model"], seed=0)
+    out = {}
+    for fw in args["frameworks"]:
+        model = _build(fw, ref, mesh)
+        kw = {"foreach": True} if args["foreach"] else {}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **kw)
+        times = {p: [] for p in PHASES}
+        losses = []
+        for s in range(args["warmup"] + args["steps"]):
+            x, y = C.make_batch(args["model"], s, rank, ws)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = C.loss_fn(args["model"], model(x), y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            t4 = time.perf_counter()
+            losses.append(loss.item())
+            if s >= args["warmup"]:
+                for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    times[p].append(dt)
+        med = {p: statistics.median(v) for p, v in times.items()}
+        out[fw] = {"median_s": med, "step_s": sum(med.values()), "losses": losses}
+        del model, opt
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny", choices=C.MODELS)
+    ap.add_argument("--frameworks", default="ddp,no_shard,optim,optim_grads,zero3,fsdp2_tuned")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) for every framework")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    args = {"model": a.model, "frameworks": a.frameworks.split(","), "steps": a.steps, "warmup": a.warmup,
+            "foreach": a.foreach}
+    t0 = time.time()
+    res = C.run_ranks(worker, 2, args)[0]
+    base = res.get("ddp")
+    rows = []
+    for fw, r in res.items():
+        m = r["median_s"]
+        ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
+        rows.append([fw] + [f"{m[p] * 1e3:.1f}" for p in PHASES] + [f"{r['step_s'] * 1e3:.1f}", ratio])
+    print(f"model {a.model}, world size 2, AdamW{'(foreach=True)' if a.foreach else ' (default: for-loop on CPU)'}; ms, rank 0 medians")
+    C.print_table(["framework", *PHASES, "step", "step / DDP"], rows)
+    if a.json:
+        payload = {"results": res, "args": args, "machine": C.machine_info(), "date": C.now_iso(),
+                   "command": "python benchmarks/step_phases.py " + " ".join(sys.argv[1:]), "wall_s": time.time() - t0}
+        with open(a.json, "w") as f:
+            json.dump(payload, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
