@@ -66,7 +66,6 @@ class Float8Gather:
         self.agreed = False  # scales agreed by some all-reduce yet (the root's forward, or a first unshard)
         self._local_amax = torch.zeros(n, dtype=torch.float32, device=device)
         self.quantisations = 0  # tests: one per gather
-        self.last_wire = (0, 0)  # tests: (collective input bytes per rank, riders) of the last gather
         w = group.weights
         lay = group.layout
         pieces = [lay.piece(i, w.rank) for i in range(n)]
@@ -137,7 +136,6 @@ class Float8Gather:
             if rider is not None:
                 mine[start:end].view(rider.weights.dtype).copy_(rider.weights.shard)  # its gather's cast
             mine[end:].zero_()
-        self.last_wire = (R, 0 if rider is None else 1)
         h = g.comm.all_gather(block, mine, label)
 
         def dequantise() -> None:
