@@ -144,8 +144,10 @@ class Float8Gather:
             w.materialize(allocator, key)
             rows = block.view(N, R)
             with torch.no_grad():
-                for r in range(N):
-                    native.dequantise_fp8(rows[r, :S], w._writer[r * S : (r + 1) * S], self._rank_pieces[r], self.scales, self.dtype)
+                tables = native.dequantise_tables(self.scales, self.dtype, w.dtype) if N > 1 and native.available() and w.device.type == "cpu" else None
+                for r in range(N):  # rank r's bytes, with rank r's pieces, the same lookup per byte
+                    native.dequantise_fp8(rows[r, :S], w._writer[r * S : (r + 1) * S], self._rank_pieces[r], self.scales,
+                                          self.dtype, tables)
                 if rider is not None:
                     rw = rider.weights
                     rw.materialize(allocator, rider_key)
