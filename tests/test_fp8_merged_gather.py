@@ -49,14 +49,14 @@ def _units(model):
     return [*model.blocks, model.proj, model.out_norm, model]
 
 
-def _train(rank, ws, merged: bool, allocator: str, hsdp: bool):
+def _train(rank, ws, merged: bool, allocator: str, hsdp: bool, raf=True):
     fp8_mod.MERGE_GATHERS = merged
     torch.manual_seed(0)
     model = _Mixed()
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("rep", "shard")) if hsdp else init_device_mesh("cpu", (ws,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, all_gather_dtype=E4M3)
     for m in _units(model)[:-1]:
-        fully_shard(m, mesh=mesh, mp_policy=mp)
+        fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
     fully_shard(model, mesh=mesh, mp_policy=mp, allocator=allocator)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
@@ -89,9 +89,9 @@ def _train(rank, ws, merged: bool, allocator: str, hsdp: bool):
     return first, views, losses, calls, full, (stats.leaked_buffers, stats.live_by_role.get("fp8", 0))
 
 
-def _compare(ws: int, allocator: str, hsdp: bool):
-    merged = run_ranks(_train, ws, True, allocator, hsdp)
-    separate = run_ranks(_train, ws, False, allocator, hsdp)
+def _compare(ws: int, allocator: str, hsdp: bool, raf=True, calls=(3 * 2 + 2 + 2 + 1, 3 * 2 * 2 + 2 + 2 + 2)):
+    merged = run_ranks(_train, ws, True, allocator, hsdp, raf)
+    separate = run_ranks(_train, ws, False, allocator, hsdp, raf)
     for rank, (a, b) in enumerate(zip(merged, separate)):
         first_a, views_a, losses_a, calls_a, full_a, mem_a = a
         first_b, views_b, losses_b, calls_b, full_b, _ = b
@@ -104,10 +104,10 @@ def _compare(ws: int, allocator: str, hsdp: bool):
         for k in full_b:
             assert torch.equal(full_a[k], full_b[k]), (rank, k)
         assert mem_a == (0, 0), mem_a  # no block leaked, the float8 bytes freed after each gather
-        # Per step: 3 blocks x (forward + backward) + proj x 2 + out_norm x 2 + the root once.
-        # Separately the blocks and the root gather two groups each time.
-        assert calls_a[1:] == [3 * 2 + 2 + 2 + 1] * (STEPS - 1), calls_a
-        assert calls_b[1:] == [3 * 2 * 2 + 2 + 2 + 2] * (STEPS - 1), calls_b
+        # Per step (default): 3 blocks x (forward + backward) + proj x 2 + out_norm x 2 + the
+        # root once. Separately the blocks and the root gather two groups each time.
+        assert calls_a[1:] == [calls[0]] * (STEPS - 1), calls_a
+        assert calls_b[1:] == [calls[1]] * (STEPS - 1), calls_b
 
 
 @pytest.mark.parametrize("allocator", ["caching", "trace_pool"])
@@ -118,3 +118,10 @@ def test_merged_fp8_gather_is_bitwise_the_separate_gathers(allocator):
 @pytest.mark.slow
 def test_merged_fp8_gather_hsdp():
     _compare(4, "caching", hsdp=True)
+
+
+@pytest.mark.slow
+def test_merged_fp8_gather_with_partial_reshard():
+    """reshard_after_forward=2 of 4 ranks: the forward gather is merged; the backward's in-block
+    gathers of the kept bf16 shards stay one per group (blocks: 1 + 2; separately 2 + 2)."""
+    _compare(4, "caching", hsdp=False, raf=2, calls=(3 * 3 + 2 + 2 + 1, 3 * 4 + 2 + 2 + 2))
