@@ -125,8 +125,10 @@ class Float8Gather:
             end = start + rider.layout.shard_numel * rider.weights._writer.element_size()
         R = _align_up(end, 16)
         bkey = ("fp8", key)
-        block = allocator.allocate(bkey, N * R, torch.uint8, g.device) if allocator is not None else \
-            torch.empty(N * R, dtype=torch.uint8, device=g.device)
+        if allocator is not None:
+            block = allocator.allocate(bkey, N * R, torch.uint8, g.device)
+        else:  # an explicit unshard() before the root's first forward: no allocator yet
+            block = torch.empty(N * R, dtype=torch.uint8, device=g.device)
         self._block = (block, allocator, bkey)
         mine = block[g.weights.rank * R : (g.weights.rank + 1) * R]
         native.quantise_fp8(g.main_weight, mine[:S], self._pieces, self.scales, self.dtype)  # padding bytes are 0
