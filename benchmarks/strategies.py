@@ -37,6 +37,12 @@ unshard + explicit forward / backward prefetch of the next unit):
     float8 with per-parameter scales; norms and biases in bf16)
   - ``fsdp2_bf16`` / ``fsdp2_bf16_tuned``  torch FSDP2, default / tuned
 
+* group ``fp8`` (mfsdp2 only, the bf16 settings above; not in the default cases):
+
+  - ``bf16``, ``bf16_fp8`` as above (a unit's bf16 group rides in its float8 group's all-gather)
+  - ``bf16_fp8_sep``  the same FP8 model with each group gathered on its own
+    (``mfsdp2.fp8.MERGE_GATHERS = False`` around its steps: ``MFSDP2_FP8_MERGED_GATHER=0``'s path)
+
 Per variant: median step time (max over ranks, p10/p90 over the timed rounds); wire bytes per step
 by collective kind (``_common.CollectiveCounter``: each collective's full buffer -- all-gather
 output, reduce-scatter input, all-reduce tensor; mfsdp2's gloo reduce-scatter is built from
@@ -102,6 +108,7 @@ VARIANTS = {
     "ddp": ("ddp", "fp32", None, False),
     "bf16": ("mfsdp2", "bf16", "optim_grads_params", False),
     "bf16_fp8": ("mfsdp2", "bf16", "optim_grads_params", True),
+    "bf16_fp8_sep": ("mfsdp2", "bf16", "optim_grads_params", True),
     "fsdp2_bf16": ("fsdp2", "bf16", None, False),
     "fsdp2_bf16_tuned": ("fsdp2_tuned", "bf16", None, False),
 }
@@ -117,6 +124,7 @@ LABELS = {
     "ddp": "torch DDP",
     "bf16": "mfsdp2 bf16",
     "bf16_fp8": "mfsdp2 bf16 + FP8 all-gather",
+    "bf16_fp8_sep": "mfsdp2 bf16 + FP8, groups gathered separately",
     "fsdp2_bf16": "FSDP2 bf16 default",
     "fsdp2_bf16_tuned": "FSDP2 bf16 tuned",
 }
@@ -126,6 +134,7 @@ GROUPS = {
     "fp32": ["zero3", "fsdp2", "fsdp2_tuned", "zero2", "fsdp2_nr", "fsdp2_nr_tuned"],
     "ddp": ["no_shard", "zero1", "ddp"],
     "bf16": ["bf16", "bf16_fp8", "fsdp2_bf16", "fsdp2_bf16_tuned"],
+    "fp8": ["bf16", "bf16_fp8", "bf16_fp8_sep"],
 }
 # (label, variant, baseline, second baseline or None): the headline ratio is against the first
 # baseline (FSDP2 tuned where FSDP2 is the baseline), the second (FSDP2 default) is reported beside it.
@@ -135,6 +144,8 @@ COMPARISONS = [
     ("no_shard / DDP", "no_shard", "ddp", None),
     ("ZeRO-1 / DDP", "zero1", "ddp", None),
     ("bf16+FP8 / mfsdp2 bf16", "bf16_fp8", "bf16", None),
+    ("bf16+FP8 separate gathers / mfsdp2 bf16", "bf16_fp8_sep", "bf16", None),
+    ("bf16+FP8 merged / separate gathers", "bf16_fp8", "bf16_fp8_sep", None),
     ("bf16+FP8 / FSDP2 bf16", "bf16_fp8", "fsdp2_bf16_tuned", "fsdp2_bf16"),
     ("mfsdp2 bf16 / FSDP2 bf16", "bf16", "fsdp2_bf16_tuned", "fsdp2_bf16"),
 ]
@@ -164,12 +175,20 @@ def build_variant(name: str, ref: torch.nn.Module, mesh) -> torch.nn.Module:
                    all_gather_dtype=torch.float8_e4m3fn if fp8 else None)
 
 
+def merge_fp8_gathers(v: str) -> None:
+    """``bf16_fp8_sep`` steps gather each group on its own; every other variant merges (the default)."""
+    import mfsdp2.fp8
+
+    mfsdp2.fp8.MERGE_GATHERS = v != "bf16_fp8_sep"
+
+
 def train_step(v: str, model, opt, name: str, x, y, accum: int) -> torch.Tensor:
     """One optimizer step; with ``accum`` > 1 the rank's batch is split into ``accum`` micro-batches
     and only the last one synchronises gradients (``no_sync()`` for DDP,
     ``set_requires_gradient_sync(False)`` for mfsdp2 and FSDP2, plus
     ``set_reshard_after_backward(False)`` for mfsdp2 and tuned FSDP2: ``_common.set_accumulation_flags``).
     Returns the rank's mean loss."""
+    merge_fp8_gathers(v)
     if accum == 1:
         return C.train_step(model, opt, name, x, y)
     total = torch.zeros(())
@@ -288,6 +307,7 @@ def run_case(rank: int, ws: int, spec: dict, counter: C.CollectiveCounter) -> di
     for v in names:
         m, opt = models[v], opts[v]
         transient_peak = m.memory_stats()["transient_peak_bytes"] if VARIANTS[v][0] == "mfsdp2" else None
+        merge_fp8_gathers(v)
         loss = C.loss_fn(name, m(x), y)
         loss.backward()
         opt.step()
@@ -438,7 +458,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed rounds (default 10, tiny 40; --quick 4)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
     p.add_argument("--cases", default=None,
-                   help="comma list of model:group (models: mlp, llama, tiny; groups: fp32, ddp, bf16); "
+                   help="comma list of model:group (models: mlp, llama, tiny; groups: fp32, ddp, bf16, fp8); "
                         "default mlp and llama x fp32,ddp,bf16 + tiny x fp32,ddp; --quick mlp:fp32,mlp:bf16,llama:bf16")
     p.add_argument("--accum", type=int, default=1, metavar="K",
                    help="micro-batches per optimizer step (the rank's batch split in K; default 1)")

@@ -49,6 +49,7 @@ from .state import FSDPState, RootContext, ShardState, TrainingState, unit_state
 from .comm import host_tensor
 from . import step_guard
 from .weight_watch import agree_on_gathers
+from .fp8 import gather_riders
 
 __all__ = ["pre_forward", "post_forward", "unshard_async", "wait_unshard", "reshard", "lazy_init", "reset", "finish_backward"]
 
@@ -79,11 +80,18 @@ def unshard_async(state: FSDPState) -> None:
         alloc = state.ctx.allocator if state.ctx is not None else None
         state.pending_unshard = []
         step = state.ctx.step if state.ctx is not None else 0
+        # An FP8 group carries the unit's compute-dtype group in its all-gather (one collective).
+        riders = {} if partial else gather_riders(state.groups)
         for i, g in enumerate(state.groups):
+            if i in riders.values():
+                continue
             key = ("weight", state.name, i)
+            j = riders.get(i)
+            rider = (state.groups[j], ("weight", state.name, j)) if j is not None else (None, None)
             # From a partial reshard only the rank block gathers (e.g. inside a node).
-            label = f"all-gather of unit {state.name!r} ({g.name}, step {step})"
-            h = g.unshard_from_group(state.post_forward_comm, alloc, key, label) if partial else g.unshard(alloc, key, label)
+            names = g.name + ("" if j is None else f" + {rider[0].name}")
+            label = f"all-gather of unit {state.name!r} ({names}, step {step})"
+            h = g.unshard_from_group(state.post_forward_comm, alloc, key, label) if partial else g.unshard(alloc, key, label, *rider)
             if h is not None:  # None: persistent weights, already current on every rank
                 state.pending_unshard.append((g, h))
         state.shard_state = ShardState.UNSHARDING

@@ -357,7 +357,7 @@ class FSDPModule:
         count there): ``model_weight_bytes`` (model-dtype shards, or the full weights the
         strategy keeps), ``main_weight_bytes``, ``main_grad_bytes`` (while they exist: from the
         first reduction to the forward after ``zero_grad(set_to_none=True)``), ``fp8_bytes``
-        (quantised shards) and ``partial_grad_bytes`` (HSDP sums waiting for an all-reduce);
+        (0: FP8 keeps no quantised shard, each gather quantises into its allocator block) and ``partial_grad_bytes`` (HSDP sums waiting for an all-reduce);
         ``persistent_bytes`` = model + main + fp8; ``host_bytes``: how much of it is host memory
         (``CPUOffloadPolicy``: main weights and main grads). ``transient_peak_bytes`` /
         ``transient_live_bytes``: what the shared allocator serves -- unsharded weights,
@@ -384,7 +384,6 @@ class FSDPModule:
         for g in groups:
             out["main_weight_bytes"] += distinct(g.main_weight)
             out["main_grad_bytes"] += distinct(g.main_grad_full if g.main_grad_full is not None else g.main_grad)
-            out["fp8_bytes"] += distinct(g.fp8.bytes.shard if g.fp8 is not None else None)
             out["partial_grad_bytes"] += distinct(g.partial)
         out["persistent_bytes"] = out["model_weight_bytes"] + out["main_weight_bytes"] + out["fp8_bytes"]
         # CPU offload: the part of the above in host memory (main weights, and the main grads'

@@ -33,7 +33,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["Segments", "available", "has_vbmi", "reference_only", "quantise_fp8", "dequantise_fp8", "ENV"]
+__all__ = ["Segments", "available", "has_vbmi", "reference_only", "quantise_fp8", "dequantise_fp8", "dequantise_tables", "ENV"]
 
 logger = logging.getLogger(__name__)
 
@@ -188,22 +188,30 @@ def _float8_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def dequantise_fp8(src: torch.Tensor, dst: torch.Tensor, segs: Segments, scales: torch.Tensor,
-                   dtype: torch.dtype) -> None:
+                   dtype: torch.dtype, tables: Optional[torch.Tensor] = None) -> None:
     """On each segment ``s``: ``dst := (float8 bytes of src as float32) / scales[s]`` in
     ``dst``'s dtype; ``dst`` outside the segments is left alone.
 
     Native: the float8 byte has 256 values, so the reference's result is one of 256 per
     segment; torch computes those tables (float32 values / scale, cast to ``dst``'s dtype: the
     reference's operations) and the kernel looks each byte up (with AVX-512 VBMI byte permutes
-    where the CPU has them, vector gathers otherwise)."""
+    where the CPU has them, vector gathers otherwise). ``tables``: :func:`dequantise_tables`'
+    result for these scales, made once by a caller that dequantises several parts (one per
+    rank of a gathered block) with the same scales."""
     mod = _native_for(src, dst) if src.dtype == torch.uint8 and dst.element_size() in (2, 4) else None
     if mod is not None and scales.device.type == "cpu" and len(segs):
-        tables = (_float8_values(dtype, src.device)[None, :] / scales.to(torch.float32)[:, None]).to(dst.dtype)
+        if tables is None:
+            tables = dequantise_tables(scales, dtype, dst.dtype)
         off, ln = segs.tensors()
-        mod.lookup_bytes(src, dst, off, ln, tables.contiguous(), _allow_vbmi)
+        mod.lookup_bytes(src, dst, off, ln, tables, _allow_vbmi)
         return
     q = src.view(dtype)
     for i, (o, n) in enumerate(zip(segs.offsets, segs.lengths)):
         if n:
             dst[o:o + n].copy_(q[o:o + n].to(torch.float32).div_(scales[i]))
 
+
+def dequantise_tables(scales: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
+    """The native dequantise's ``[segments, 256]`` lookup tables: each float8 byte's float32
+    value divided by the segment's scale, cast to ``out_dtype`` (the reference's operations)."""
+    return (_float8_values(dtype, scales.device)[None, :] / scales.to(torch.float32)[:, None]).to(out_dtype).contiguous()

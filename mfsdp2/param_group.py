@@ -388,11 +388,24 @@ class ParameterGroup(GradientReduction):
     def is_unsharded(self) -> bool:
         return self.weights.is_unsharded
 
-    def unshard(self, allocator: Optional[BucketAllocator] = None, key=None, label: str = "") -> Optional[CommHandle]:
+    def unshard(self, allocator: Optional[BucketAllocator] = None, key=None, label: str = "",
+                rider: Optional["ParameterGroup"] = None, rider_key=None) -> Optional[CommHandle]:
         """Gather the model weights into a block from ``allocator`` (keyed ``key``); None when
-        the weights are persistent and no rank stepped since the last gather (nothing to do)."""
+        the weights are persistent and no rank stepped since the last gather (nothing to do).
+        ``rider`` (FP8 groups, :func:`mfsdp2.fp8.gather_riders`): a ZeRO-3 group of the same unit
+        gathered in this group's collective, into its own block (``rider_key``)."""
         if self.persistent and not self.stale:
             return None
+        self._note_gather()
+        with torch.no_grad():
+            if self.fp8 is not None:
+                if rider is not None:
+                    rider._note_gather()
+                return self.fp8.all_gather(allocator, key, label, rider, rider_key)
+            return self.weights.all_gather(allocator, key, label)
+
+    def _note_gather(self) -> None:
+        """What every gather of this group records, whoever issues the collective."""
         # A gather happens because the main weights changed (persistent groups: ``stale``; ZeRO-3
         # casts inside the gather): re-cast the model shard every time. Deferring it to "the
         # gather after the next" missed writes made after the last cast -- an init after
@@ -402,10 +415,6 @@ class ParameterGroup(GradientReduction):
         self.changed = self.agreed_stale = False
         if self.fingerprinted:
             self._gathered_fp = fingerprint(self.main_weight)
-        with torch.no_grad():
-            if self.fp8 is not None:
-                return self.fp8.all_gather(allocator, key, label)
-            return self.weights.all_gather(allocator, key, label)
 
     @property
     def stale(self) -> bool:
@@ -439,5 +448,5 @@ class ParameterGroup(GradientReduction):
         """Reshard after a gather that did not provably end: its blocks are leaked, not freed."""
         self.weights.abandon_unsharded(why)
         if self.fp8 is not None:
-            self.fp8.bytes.abandon_unsharded(why)
+            self.fp8.abandon(why)
         self.kept = None

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp2 import TracePoolAllocator, fully_shard
+from mfsdp2 import MixedPrecisionPolicy, TracePoolAllocator, fully_shard
 from mfsdp2.allocator import CachingAllocator
 from mfsdp2.buffer import DataParallelBuffer
 from mfsdp2.comm import CollectiveError, CommHandle
@@ -130,11 +130,11 @@ def test_trace_pool_never_hands_out_a_slot_overlapping_a_leaked_block():
 
 
 # -- reset() after a failed collective: leak, never free ------------------------------------------
-def _model(mesh):
+def _model(mesh, **kw):
     model = build("net")
     for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(b, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     return model
 
 
@@ -193,9 +193,12 @@ def test_reset_after_a_failed_reduction_leaks_its_buffers_instead_of_freeing_the
     assert leaked >= issued and distinct == leaked
 
 
-def _failed_gather(rank, ws):
+def _failed_gather(rank, ws, fp8=False):
     mesh = init_device_mesh("cpu", (ws,))
-    model = _model(mesh)
+    # FP8: the block's float8 group carries its bf16 group (norm, biases) in one all-gather
+    # into an "fp8" block; neither group's weight block is taken before that gather ends.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather_dtype=torch.float8_e4m3fn) if fp8 else None
+    model = _model(mesh, **({"mp_policy": mp} if fp8 else {}))
     x = torch.randn(2, 12)
     model(x).sum().backward()
     ctx = model._mfsdp2_state.ctx
@@ -217,7 +220,7 @@ def _failed_gather(rank, ws):
     except CollectiveError as e:
         msg = str(e)
     model.reset()
-    weight_frees = [k for k in freed if k[0] == "weight" and k[1] == blk.name]
+    weight_frees = [k for k in freed if (k[0] == "weight" and k[1] == blk.name) or (k[0] == "fp8" and k[1][1] == blk.name)]
     leaked = getattr(ctx.allocator.stats, "leaked_buffers", None)
     # Training goes on after a healthy gather.
     del comm.all_gather
@@ -226,8 +229,9 @@ def _failed_gather(rank, ws):
     return weight_frees, leaked, "blocks.1" in msg, bool(torch.isfinite(out))
 
 
-def test_reset_after_a_failed_gather_leaks_the_gathered_block():
-    ((weight_frees, leaked, named, finite),) = run_ranks(_failed_gather, 1, timeout=120)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_reset_after_a_failed_gather_leaks_the_gathered_block(fp8):
+    ((weight_frees, leaked, named, finite),) = run_ranks(_failed_gather, 1, fp8, timeout=120)
     assert named
     assert weight_frees == [], f"gathered block freed under an unfinished all-gather: {weight_frees}"
     assert leaked == 1 and finite
