@@ -8,7 +8,9 @@ mfsdp2/gather_buckets.py).
   out at the end of the forward), the forward order changed (members waited before their bucket
   was issued), an explicit ``unshard()`` before the forward, and an eval (``no_grad``) pass.
   Each step's all-gather count is checked: one per bucket plus the large unit, against one per
-  unit without a recorded order; and no ``gather_bucket`` block outlives a forward.
+  unit without a recorded order; and no ``gather_bucket`` block outlives a forward. The same run
+  with every collective issued 20 ms late (tests/_slow_collectives.py) and the trace-pool
+  allocator: rows copied out before the wait, or a block reused early, would show there.
 * Bitwise: bucketed against per-unit gathers (cap 0) in the same process -- the same bytes are
   moved, so losses and weights must be identical -- with bf16 compute (the cast before the
   gather), no_shard + bf16 (nothing to bucket: a shard group of one rank), CPU offload and the
@@ -17,6 +19,9 @@ mfsdp2/gather_buckets.py).
   issues ceil(units / units-per-bucket) all-gathers, not one per unit.
 * ZeRO-2 against torch FSDP2 with ``reshard_after_forward=False`` in the same process: losses,
   parameters and gradients.
+* Fail fast: a peer that stalls before its buckets makes the waiting rank raise a
+  CollectiveError naming the bucket within the timeout; ``reset()`` leaks the blocks in flight
+  and leaves their groups to be gathered again.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from mfsdp2 import MixedPrecisionPolicy, fully_shard
 from mfsdp2.comm import comm_stats
 
 from ._dist import run_ranks
+from ._slow_collectives import SlowCollectives
 from .fsdp2_compat import assert_same_snapshots, runtimes, snapshot
 from .models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, loss_fn, make_opt, reference_step, sharded_train_step
 
@@ -198,6 +204,34 @@ def _parity_run(rank, ws, hsdp):
 @pytest.mark.parametrize("ws,hsdp", [(2, False), (4, False), (4, True)])
 def test_parity_with_unsharded_model(ws, hsdp):
     assert all(run_ranks(_parity_run, ws, hsdp))
+
+
+def _slow_run(rank, ws):
+    """The parity run with every collective issued 20 ms late (tests/_slow_collectives.py): a
+    member's rows copied out, or a bucket's block reused, before its all-gather ended would
+    train to other numbers."""
+    ref_losses, ref_evals, ref_params = _reference()
+    mesh = init_device_mesh("cpu", (ws,))
+    model = _build()
+    for m in [model.inp, *model.layers, model.head]:
+        fully_shard(m, mesh=mesh, sharding_strategy="optim")
+    fully_shard(model, mesh=mesh, sharding_strategy="optim", allocator="trace_pool")
+    model.set_all_reduce_bucket_cap_mb(_cap_mb(model))
+    opt = make_opt("adamw", model.parameters())
+    with SlowCollectives(0.02) as slow:
+        losses, evals = _train(model, opt, rank, ws, STEPS)
+    assert slow.issued > 0 and slow.waited_early > 0
+    assert_losses_close(losses, ref_losses, f"slow rank {rank}", REL_F64)
+    for a, b in zip(evals, ref_evals):
+        assert_close_rel(a, b, f"slow rank {rank} eval", REL_F64)
+    for k, p in model.named_parameters():
+        assert_close_rel(p.full_tensor(), ref_params[k], f"slow rank {rank} {k}", REL_F64)
+    return True
+
+
+@pytest.mark.slow
+def test_parity_with_slow_collectives():
+    assert all(run_ranks(_slow_run, 2))
 
 
 # -- bitwise: buckets against per-unit gathers -------------------------------------------------
