@@ -408,6 +408,7 @@ def _bucket_peer_hangs(rank, ws):
         mfsdp2.set_collective_timeout(None)
 
 
+@pytest.mark.slow
 def test_bucket_peer_that_stalls_fails_fast_and_reset_leaks_blocks():
     res = run_ranks(_bucket_peer_hangs, 2, timeout=120)
     msg, took, after = res[0]
