@@ -45,6 +45,7 @@ import torch
 from .allocator import BucketAllocator
 from .comm import CommHandle
 from .profiling import trace_range
+from .weight_watch import fingerprints
 
 __all__ = ["PersistentGathers", "MemberGather"]
 
@@ -190,8 +191,10 @@ class PersistentGathers:
         with trace_range("mfsdp2.issue_gather_bucket"), torch.no_grad():
             b.block = self.allocator.allocate(b.key, N * T, b.dtype, b.device)
             mine = b.block[r * T : (r + 1) * T]
+            checked = [g for g in b.members if g.fingerprinted]
+            fps = dict(zip(map(id, checked), fingerprints([g.main_weight for g in checked])))
             for g, off in zip(b.members, b.offsets):
-                g.begin_gather()  # cast main -> model shard, clear the flags, fingerprint
+                g.begin_gather(fps.get(id(g)))  # cast main -> model shard, clear the flags, fingerprint
                 mine[off : off + g.layout.shard_numel].copy_(g.weights.shard)
             b.handle = b.comm.all_gather(b.block, mine, b.label)
         self.issued_count += 1

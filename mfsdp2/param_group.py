@@ -408,17 +408,18 @@ class ParameterGroup(GradientReduction):
                 return self.fp8.all_gather(allocator, key, label)
             return self.weights.all_gather(allocator, key, label)
 
-    def begin_gather(self) -> None:
+    def begin_gather(self, fp: Optional[torch.Tensor] = None) -> None:
         """What every gather of the model weights starts with (its own or a bucket's). A gather
         happens because the main weights changed (persistent groups: ``stale``; ZeRO-3 casts
         inside the gather): re-cast the model shard every time. Deferring it to "the gather after
         the next" missed writes made after the last cast -- an init after ``to_empty`` -- and
-        computed with the cast of uninitialised memory."""
+        computed with the cast of uninitialised memory. ``fp``: the main shard's fingerprint,
+        when the caller took it already (a bucket takes its members' in one batch)."""
         self.refresh_model_shard()
         self.gathered_version = self.main_version()
         self.changed = self.agreed_stale = False
         if self.fingerprinted:
-            self._gathered_fp = fingerprint(self.main_weight)
+            self._gathered_fp = fp if fp is not None else fingerprint(self.main_weight)
 
     @property
     def stale(self) -> bool:

@@ -417,3 +417,25 @@ def test_bucket_peer_that_stalls_fails_fast_and_reset_leaks_blocks():
     # Buckets 0 and 1 were in flight (at most two at a time): both blocks leaked, none live.
     assert after == dict(leaked=2, live=0, waiting=0, regather=True), after
     assert res[1] == "stalled"
+
+
+# -- the batched fingerprint -------------------------------------------------------------------
+def test_batched_fingerprints_equal_the_per_tensor_ones():
+    """A bucket fingerprints its members in one batch; the values must be exactly those of
+    ``fingerprint`` one tensor at a time (what the next root forward compares against): sizes
+    around the 1024-word rows and tails, words whose weighted sums wrap modulo 2^32, dtypes whose
+    bytes are not int32 words (the per-tensor fallback), and views at offsets of one buffer."""
+    from mfsdp2.weight_watch import fingerprint, fingerprints
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [1, 7, 1023, 1024, 1025, 2080, 3 * 1024 + 5, 70000]
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        ts = [(torch.randn(n, generator=g) * 1e4).to(dtype) for n in sizes]
+        for batch_ in (ts, ts[1:2] + ts[4:5], [t for t in ts if t.numel() % 2 == 0]):
+            got = fingerprints(batch_)
+            assert len(got) == len(batch_)
+            for t, f in zip(batch_, got):
+                assert f.dtype == torch.int32 and torch.equal(f, fingerprint(t)), (dtype, t.numel())
+    flat = torch.randn(5000, generator=g)
+    views = [flat[0:1000], flat[1000:3100], flat[3100:5000]]
+    assert all(torch.equal(a, fingerprint(v)) for a, v in zip(fingerprints(views), views))
