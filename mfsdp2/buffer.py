@@ -203,6 +203,12 @@ class DataParallelBuffer:
             mine.copy_(self.shard)
         return self.comm.all_gather(self._writer, mine, label)
 
+    def place_rows(self, rows: torch.Tensor) -> None:
+        """Fill the unsharded buffer from ``rows`` (``(world size, shard numel)``, row ``q`` =
+        rank ``q``'s shard): a gather shared with other groups (:mod:`mfsdp2.gather_buckets`)
+        delivers this buffer's shards as one strided block of its output."""
+        self._writer.view(self.layout.world_size, self.layout.shard_numel).copy_(rows)
+
     # -- partial reshard (reshard_after_forward=<int>) -------------------------------------------
     # With groups of ``k`` consecutive ranks, rank ``r`` (local index ``l = r % k``) keeps the
     # ``N/k`` shards ``l, l+k, l+2k, ...``: the ``k`` ranks of its group then hold every shard

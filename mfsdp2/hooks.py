@@ -218,6 +218,9 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
                 if len(s.modules) > 1:  # only units of several modules track their forwards
                     s.forward_to_run = {id(m) for m in s.modules}
             agree_on_gathers(ctx)
+            # Stale small persistent groups gather in buckets across units (same cap as the
+            # gradient all-reduce buckets), planned from the recorded order and agreed flags.
+            ctx.gathers.start(ctx.schedule.recorded, ctx.buckets.cap_bytes, ctx.step)
         state.training_state = TrainingState.FORWARD
         prefetch = ctx.schedule.on_forward(state)
         unshard_async(state)
@@ -282,6 +285,7 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
         state.expect_backward = True
         ctx.schedule.expect_backward(state)
     if state.is_root:
+        ctx.gathers.finish()  # units that did not run get their rows; unissued buckets are dropped
         ctx.schedule.end_forward(record=grad)
         for s in ctx.states:
             if len(s.modules) > 1 and len(s.forward_to_run) != len(s.modules):
@@ -551,6 +555,7 @@ def reset(ctx: RootContext) -> None:
     backward, so training can continue: in-flight collectives are waited for (never freed under),
     this step's partial gradients are dropped, the pass in progress is forgotten. A collective
     that failed and may still run has its buffers leaked instead (see ``CommHandle.settle``)."""
+    ctx.gathers.abort()  # first: settling a member's handle below must not issue another bucket
     for s in ctx.states:
         for g in s.groups:
             g.abort(ctx.allocator)

@@ -340,11 +340,16 @@ class FSDPModule:
 
     def set_all_reduce_bucket_cap_mb(self, mb: float) -> None:
         """Bucket size, in MiB, of the gradient all-reduces of ``no_shard`` and of small ZeRO-1/2/3
-        units on gloo (whose reduce-scatter is an all-reduce of the whole gradient there): consecutive units' gradients, in backward
-        order, are all-reduced together up to this size (root only; default 25, torch DDP's
-        ``bucket_cap_mb``). 0 turns bucketing off: every unit reduces its own gradients as
-        soon as they are packed (FSDP2's one reduce-scatter per unit). Takes effect from the second backward after the call (the first
-        records the order the buckets are planned from). See :mod:`mfsdp2.grad_buckets`."""
+        units on gloo (whose reduce-scatter is an all-reduce of the whole gradient there):
+        consecutive units' gradients, in backward order, are all-reduced together up to this size
+        (root only; default 25, torch DDP's ``bucket_cap_mb``). 0 turns bucketing off: every unit
+        reduces its own gradients as soon as they are packed (FSDP2's one reduce-scatter per
+        unit). Takes effect from the second backward after the call (the first records the order
+        the buckets are planned from). See :mod:`mfsdp2.grad_buckets`.
+
+        The same cap bounds the buckets in which the persistent weights of ``optim`` /
+        ``optim_grads`` units are re-gathered across units after a step (from the next forward;
+        0: one all-gather per unit). See :mod:`mfsdp2.gather_buckets`."""
         state = self._mfsdp2_state
         lazy_init(state)
         state.ctx.buckets.set_cap_mb(mb)

@@ -168,6 +168,9 @@ class ParameterGroup(GradientReduction):
         # An optimizer step or an announced write since the last gather (the same on every rank).
         self.changed = True
         self._gathered_fp: Optional[torch.Tensor] = None  # fingerprint of the main shard at the last gather
+        # Persistent weights planned into a cross-unit gather bucket at the root's forward
+        # (mfsdp2.gather_buckets): the handle that delivers this group's rows; counts as stale.
+        self.pending_gather = None
         # Persistent weights: compare the main shard's content at each root forward (sees writes
         # through ``.data``; costs one host read per forward). Off: host signals only, agreed on
         # the CPU (``FSDPModule.set_detect_data_writes``).
@@ -396,25 +399,32 @@ class ParameterGroup(GradientReduction):
         gathered in this group's collective, into its own block (``rider_key``)."""
         if self.persistent and not self.stale:
             return None
-        self._note_gather()
+        if self.pending_gather is not None:  # rows coming in a cross-unit bucket (gather_buckets)
+            h, self.pending_gather = self.pending_gather, None
+            h.issue()
+            if not (self.agreed_stale or self.changed):
+                return h
+            h.wait()  # written again since its bucket was issued (announced): gather afresh
+        self.begin_gather()
         with torch.no_grad():
             if self.fp8 is not None:
                 if rider is not None:
-                    rider._note_gather()
+                    rider.begin_gather()
                 return self.fp8.all_gather(allocator, key, label, rider, rider_key)
             return self.weights.all_gather(allocator, key, label)
 
-    def _note_gather(self) -> None:
-        """What every gather of this group records, whoever issues the collective."""
-        # A gather happens because the main weights changed (persistent groups: ``stale``; ZeRO-3
-        # casts inside the gather): re-cast the model shard every time. Deferring it to "the
-        # gather after the next" missed writes made after the last cast -- an init after
-        # ``to_empty`` -- and computed with the cast of uninitialised memory.
+    def begin_gather(self, fp: Optional[torch.Tensor] = None) -> None:
+        """What every gather of the model weights starts with (its own or a bucket's). A gather
+        happens because the main weights changed (persistent groups: ``stale``; ZeRO-3 casts
+        inside the gather): re-cast the model shard every time. Deferring it to "the gather after
+        the next" missed writes made after the last cast -- an init after ``to_empty`` -- and
+        computed with the cast of uninitialised memory. ``fp``: the main shard's fingerprint,
+        when the caller took it already (a bucket takes its members' in one batch)."""
         self.refresh_model_shard()
         self.gathered_version = self.main_version()
         self.changed = self.agreed_stale = False
         if self.fingerprinted:
-            self._gathered_fp = fingerprint(self.main_weight)
+            self._gathered_fp = fp if fp is not None else fingerprint(self.main_weight)
 
     @property
     def stale(self) -> bool:
@@ -424,9 +434,11 @@ class ParameterGroup(GradientReduction):
         fingerprint, MAX over ranks) or a signal every rank gets (optimizer step, announced write).
         Local version counters are not consulted between root forwards: a rank holding no rows
         would decide differently and the ranks would issue different collectives. ZeRO-3 groups
-        ask this only while gathered (kept across a step, or an in-flight ``unshard``)."""
+        ask this only while gathered (kept across a step, or an in-flight ``unshard``). A group
+        whose rows are still to come from a cross-unit bucket (:attr:`pending_gather`) counts as
+        stale too: its next ``unshard`` must hand out the bucket's handle, not skip the wait."""
         if self.persistent:
-            return self.agreed_stale or self.changed
+            return self.agreed_stale or self.changed or self.pending_gather is not None
         return self.changed or self.main_version() != self.gathered_version
 
     def reshard(self) -> None:

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .allocator import BucketAllocator
 from .trace_pool import make_allocator
 from .comm import Communicator
+from .gather_buckets import PersistentGathers
 from .grad_buckets import GradientBuckets
 from .mixed_precision import MixedPrecisionPolicy
 
@@ -126,6 +127,8 @@ class RootContext:
         # Full-gradient strategies' all-reduces, bucketed across units (grad_buckets.py); their
         # units never enter reduce_queue for those groups.
         self.buckets = GradientBuckets(allocator, root.name)
+        # Persistent weights' all-gathers, bucketed across units at each root forward (gather_buckets.py).
+        self.gathers = PersistentGathers(allocator, root.name)
         self.step = 0
         # set_post_optim_event: the next root forward makes the current stream wait on it first.
         self.post_optim_event = None

@@ -123,11 +123,15 @@ def test_strategies_match_reference_and_zero_memory_formulas(ws, kind):
             assert stats["transient_live_bytes"] <= grads, (where, stats)
 
 
-def _gathers_once_per_step(rank, ws):
-    """optim_grads keeps the full weights: one all-gather per unit per optimizer step, not per
-    forward and backward; eval passes and gradient accumulation gather nothing."""
+def _gathers_once_per_step(rank, ws, cap_mb):
+    """optim_grads keeps the full weights: gathered once per optimizer step, not per forward and
+    backward; eval passes and gradient accumulation gather nothing. One all-gather per unit with
+    bucketing off (``cap_mb=0``); with it, one per unit in the first forward (no recorded order
+    yet), then one bucket for the whole model (mfsdp2/gather_buckets.py)."""
     mesh = init_device_mesh("cpu", (ws,))
     model = _wrap(build("net"), mesh, "optim_grads")
+    if cap_mb is not None:
+        model.set_all_reduce_bucket_cap_mb(cap_mb)
     opt = make_opt("adamw", model.parameters())
     calls = []
     name = compat.all_gather_name()  # all_gather_single, or all_gather_into_tensor before torch 2.13
@@ -159,10 +163,13 @@ def _gathers_once_per_step(rank, ws):
     return per_step
 
 
-def test_optim_grads_gathers_once_per_optimizer_step():
+@pytest.mark.parametrize("cap_mb", [None, 0])
+def test_optim_grads_gathers_once_per_optimizer_step(cap_mb):
     units = 4  # 3 blocks + root
-    for per_step in run_ranks(_gathers_once_per_step, 2):
-        assert per_step == [units, units, units, units, 0], per_step
+    per_unit = cap_mb == 0
+    expected = [units, units, units, units, 0] if per_unit else [units, 1, 1, 1, 0]
+    for per_step in run_ranks(_gathers_once_per_step, 2, cap_mb):
+        assert per_step == expected, per_step
 
 
 # -- bf16 compute, fp32 main weights -----------------------------------------------------------
