@@ -43,6 +43,9 @@ bench-record: venv native
 	$(PY) benchmarks/compare_fsdp2.py --quick --json $(R)/compare_fsdp2_quick.json
 	$(PY) benchmarks/strategies.py --json $(R)/strategies.json
 	$(PY) benchmarks/strategies.py --cases mlp:fp32,llama:fp32,tiny:fp32 --accum 4 --json $(R)/strategies_accum4.json
+	$(PY) benchmarks/strategies.py --cases mlp:fp8,llama:fp8 --steps 30 --wait-quiet 120 --json $(R)/strategies_fp8_merged.json
+	$(PY) benchmarks/step_phases.py --model tiny --json $(R)/step_phases_tiny.json
+	$(PY) benchmarks/step_phases.py --model tiny --foreach --json $(R)/step_phases_tiny_foreach.json
 	$(PY) benchmarks/allocators.py --json $(R)/allocators_mlp.json
 	$(PY) benchmarks/allocators.py --model llama --json $(R)/allocators_llama.json
 	$(PY) benchmarks/profile_step.py --model tiny --framework all --json $(R)/profile_tiny.json
