@@ -213,7 +213,7 @@ class GradientReduction:
         self.finish_reduce(allocator)  # one reduction per group in flight
         layout = self.layout
         prescale, op, replicate_op = self._reduce_ops()
-        comm = self._bucket_comm() if self.reduces_in_bucket(buckets) else None
+        comm = self._bucket_comm() if buckets is not None and buckets.enabled else None
         if comm is not None:
             self._reduce_into_bucket(buckets, comm, op if comm is self.comm else replicate_op, prescale, key, label)
             return True
