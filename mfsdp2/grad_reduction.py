@@ -166,25 +166,22 @@ class GradientReduction:
         with nobody to reduce with."""
         if self.fused_full is not None or self.partial is not None:
             return None
-        if not self.full_grads:
-            # Two ranks only: a two-term sum is the same float in either order, so the bucketed
-            # all-reduce gives bit-identical gradients to the group's own one. With more ranks,
-            # gloo's summation order depends on where the gradient sits in the buffer, i.e. on the
-            # bucket plan (which a fresh or resumed model makes differently): a resumed run would
-            # no longer repeat the uninterrupted one bit for bit, as FSDP2's does.
-            if self.replicate_comm is not None or self.comm.world_size != 2:
+        if self.comm.world_size > 1:
+            # A reduce-scatter (ZeRO-1/2/3) shares a bucket only where it is a whole all-reduce
+            # anyway (gloo, small groups; ZeRO-1 thus keeps half an all-reduce's bytes otherwise).
+            # ZeRO-2/3 at two ranks only: a two-term sum is the same float in either order, so the
+            # bucketed all-reduce gives bit-identical gradients to the group's own one. With more
+            # ranks, gloo's summation order depends on where the gradient sits in the buffer, i.e.
+            # on the bucket plan (which a fresh or resumed model makes differently): a resumed run
+            # would no longer repeat the uninterrupted one bit for bit, as FSDP2's does.
+            if self.replicate_comm is not None or not (self.full_grads or self.comm.world_size == 2):
                 return None
             nbytes = self.layout.total_numel * self.reduce_dtype.itemsize
             # weights.comm: the one the reduce-scatter would go through (a user's custom one included)
             return self.comm if self.weights.comm.reduce_scatter_is_all_reduce(self._reduce_ops()[1], nbytes) else None
-        if self.comm.world_size > 1:
-            # ZeRO-1: its own reduce-scatter (half an all-reduce's bytes: each rank steps its rows
-            # only), unless that reduce-scatter is a whole all-reduce anyway (gloo, small groups).
-            nbytes = self.layout.total_numel * self.reduce_dtype.itemsize
-            if self.replicate_comm is not None or not self.weights.comm.reduce_scatter_is_all_reduce(self._reduce_ops()[1], nbytes):
-                return None
-            comm = self.comm
-        elif self.replicate_comm is None:
+        if not self.full_grads:
+            return None  # a one-rank shard group of a sharded strategy: reduced by its own path
+        if self.replicate_comm is None:
             comm = self.comm
         elif self.requires_all_reduce:
             comm = self.replicate_comm
