@@ -169,4 +169,4 @@ def _move_grads(old, new, grads: list) -> None:
             continue
         local = new.weights.piece_view(new.main_grad, i)
         local.copy_(gr.reshape(local.shape))
-        dp.grad = new.as_dtensor(local, i, dp.shape)
+        dp.grad = new.grad_view(local, i, dp.shape)

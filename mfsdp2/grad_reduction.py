@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .allocator import BucketAllocator
 from .comm import CommHandle, comm_stats
@@ -26,6 +27,10 @@ from .te import detach_main_grads
 from .tensor_parallel import local_grad
 
 __all__ = ["GradientReduction"]
+
+
+# Set on the gradient DTensors that are views of a main gradient (GradientReduction.grad_view).
+_GRAD_VIEW = "_mfsdp2_main_grad_view"
 
 
 @dataclass
@@ -315,8 +320,12 @@ class GradientReduction:
             self.main_grad = self.weights.local_slice(block)
         else:
             self.main_grad = block
+        # Views of an earlier main gradient are stale now. A gradient the user assigned (before
+        # this step's first reduction, e.g. ``p.grad = torch.full_like(p, g0)``) is not one of
+        # them: it stays in ``.grad``, and _accumulate folds it in as torch would add to it.
         for dp in self.dist_params:
-            dp.grad = None
+            if dp.grad is not None and getattr(dp.grad, _GRAD_VIEW, False):
+                dp.grad = None
 
     def release_main_grad(self) -> None:
         """Give main_grad back to the allocator when no parameter exposes it any more (the
@@ -535,8 +544,33 @@ class GradientReduction:
             cache = self._grad_dtensors = (key, [None] * len(self.dist_params))
         made = cache[1]
         for i, dp in enumerate(self.dist_params):
-            if flags[i] and dp.grad is None:
-                g = made[i]
-                if g is None:
-                    g = made[i] = self.as_dtensor(self.weights.piece_view(mg, i), i, dp.shape)
-                dp.grad = g
+            if not flags[i]:
+                continue
+            cur = dp.grad
+            # A gradient the user assigned between two backward() calls (``p.grad = p.grad * 2``,
+            # ``p.grad = torch.zeros_like(p)``): _accumulate folded it into the main gradient
+            # before adding this reduction, so the sum lives there; leaving the user's tensor in
+            # ``.grad`` would hand the optimizer the value from before this backward (torch and
+            # FSDP2 accumulate into whatever ``.grad`` holds).
+            if cur is not None and (cur is made[i] or not self._is_foreign_grad(cur, mg, i)):
+                continue
+            g = made[i]
+            if g is None:
+                g = made[i] = self.grad_view(self.weights.piece_view(mg, i), i, dp.shape)
+            dp.grad = g
+
+    def grad_view(self, local: torch.Tensor, i: int, shape) -> torch.Tensor:
+        """Parameter ``i``'s gradient DTensor over ``local`` (its rows of the main gradient),
+        marked as ours: :meth:`_ensure_main_grad` drops such views when the main gradient is
+        replaced and keeps any other ``.grad`` (the user's)."""
+        g = self.as_dtensor(local, i, shape)
+        setattr(g, _GRAD_VIEW, True)
+        return g
+
+    def _is_foreign_grad(self, grad: torch.Tensor, mg: torch.Tensor, i: int) -> bool:
+        """Whether ``grad`` (a parameter's ``.grad``) is not parameter ``i``'s view of ``mg``."""
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        piece = self.weights.piece_view(mg, i)
+        if piece.numel() == 0:
+            return local.numel() != 0
+        return local.data_ptr() != piece.data_ptr() or local.dtype != piece.dtype
