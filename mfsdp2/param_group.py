@@ -190,6 +190,7 @@ class ParameterGroup(GradientReduction):
         self.dist_params: list[nn.Parameter] = []
         self._row_shards: dict[int, RowShard] = {}  # as_dtensor's placements, built once
         self._grad_dtensors = None  # (main-grad memory key, gradient DTensors): see expose_grads
+        self._dp_storages: Optional[list[int]] = None  # see _check_data_not_assigned
         self.unsharded_params: list[nn.Parameter] = []
         self._pending_reduce: Optional[_PendingReduce] = None
         # Micro-batches of backwards without gradient sync, summed in the reduce dtype (see
@@ -251,6 +252,7 @@ class ParameterGroup(GradientReduction):
             unsharded = tp_dtensor(views[i], spec) if spec is not None else views[i]
             self.unsharded_params[i] = nn.Parameter(unsharded, requires_grad=self.unsharded_params[i].requires_grad)
         self.weights.free_unsharded()
+        self._record_storages()
 
     # -- parameters ---------------------------------------------------------------------------
     def _make_params(self, params: list[nn.Parameter]) -> None:
@@ -290,6 +292,8 @@ class ParameterGroup(GradientReduction):
         """
         params = self.unsharded_params if unsharded else self.dist_params
         if unsharded:
+            if check:
+                self._check_data_not_assigned()
             self._follow_requires_grad()
         for i, (owners, p) in enumerate(zip(self.infos, params)):
             for info in owners:
@@ -303,6 +307,31 @@ class ParameterGroup(GradientReduction):
                             "assigning a new Parameter, or assign before calling fully_shard"
                         )
                 info.owner._parameters[info.attr] = p
+        if not unsharded:
+            self._record_storages()
+
+    def _record_storages(self) -> None:
+        """Remember each DTensor parameter's storage (see :meth:`_check_data_not_assigned`)."""
+        self._dp_storages = [dp.untyped_storage()._cdata for dp in self.dist_params]
+
+    def _check_data_not_assigned(self) -> None:
+        """``p.data = new`` on a DTensor parameter swaps the wrapper's storage but not the local
+        tensor every DTensor op reads (``p._local_tensor``, a view of our main weights): the
+        assignment is silently lost -- the optimizer, the gathers and ``state_dict`` all keep
+        the old values (torch FSDP2 trains them without a word). The wrapper's storage is the
+        one thing that changes, so compare it with the one recorded when the parameter was last
+        registered (0.3 us per parameter per forward) and refuse, naming the parameter."""
+        recorded = self._dp_storages
+        if recorded is None:
+            return
+        for i, dp in enumerate(self.dist_params):
+            if dp.untyped_storage()._cdata != recorded[i]:
+                raise RuntimeError(
+                    f"mfsdp2: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} had its .data "
+                    "assigned after fully_shard (p.data = ...); a DTensor parameter ignores that (its "
+                    "shard keeps the old values, which would be trained and saved). Write the values "
+                    "in place instead: with torch.no_grad(): p.copy_(new) (or p.data.copy_(new))"
+                )
 
     def _follow_requires_grad(self) -> None:
         """The module computes with the unsharded parameters, but users freeze (or unfreeze) the

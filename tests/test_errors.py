@@ -80,6 +80,7 @@ EXPECTED = {
     "E50": (RuntimeError, "are still on the meta device (the model was built under torch.device('meta')); give them memory first"),
     "E51": (ValueError, "all_gather_dtype (FP8 all-gather) with CPUOffloadPolicy for Linear is not supported"),
     "E52": (ValueError, "reshard their weights after forward"),
+    "E53": (RuntimeError, "parameter 'fc1.weight' of unit 'blocks.0' had its .data assigned after fully_shard"),
 }
 
 
@@ -233,6 +234,13 @@ def _rows_ws1(rank, ws):
     net(torch.zeros(1, 12)).sum().backward()
     net.blocks[0].fc1.weight = nn.Parameter(torch.zeros(40, 16))
     _capture(out, "E14", lambda: net(torch.zeros(1, 12)))
+
+    # p.data = ... on a DTensor parameter is lost (the local shard keeps the old values).
+    net = _sharded_net(mesh)
+    net(torch.zeros(1, 12)).sum().backward()
+    with torch.no_grad():
+        net.blocks[0].fc1.weight.data = net.blocks[0].fc1.weight.data * 2
+    _capture(out, "E53", lambda: net(torch.zeros(1, 12)))
 
     # A backward that raised midway leaves its callback pending: the next forward must say so.
     net = _sharded_net(mesh)
