@@ -15,8 +15,9 @@ amortised over the parameter list.
 
 Frameworks: ``ddp`` (torch DistributedDataParallel), ``no_shard`` / ``optim`` / ``optim_grads`` /
 ``zero3`` (mfsdp2's strategies, ``zero3`` = ``optim_grads_params``), ``fsdp2`` / ``fsdp2_tuned``
-(torch FSDP2 as shipped / with ``_common.FSDP2_TUNED``). Each rank trains every framework in turn
-on the same seeded model and batches (fp32, world size 2); per phase: the median over the timed
+(torch FSDP2 as shipped / with ``_common.FSDP2_TUNED``), ``zero3_bf16`` / ``zero3_fp8`` (ZeRO-3 with
+bf16 compute, the second with FP8 all-gathers: where FP8's extra work lands). Each rank trains every framework in turn
+on the same seeded model and batches (fp32 unless named, world size 2); per phase: the median over the timed
 steps of rank 0, after a barrier before each step. Phases are timed on the host: asynchronous
 collectives left in flight by one phase are paid in the phase that waits for them.
 """
@@ -46,6 +47,11 @@ def _build(fw: str, ref, mesh):
         return DistributedDataParallel(copy.deepcopy(ref), broadcast_buffers=False, gradient_as_bucket_view=True)
     if fw in MFSDP2:
         return C.shard(copy.deepcopy(ref), "mfsdp2", "fp32", mesh, sharding_strategy=MFSDP2[fw])
+    if fw in ("zero3_bf16", "zero3_fp8"):
+        import torch
+
+        fp8 = torch.float8_e4m3fn if fw == "zero3_fp8" else None
+        return C.shard(copy.deepcopy(ref), "mfsdp2", "bf16", mesh, all_gather_dtype=fp8)
     if fw in ("fsdp2", "fsdp2_tuned"):
         return C.shard(copy.deepcopy(ref), fw, "fp32", mesh)
     raise ValueError(f"unknown framework {fw!r}")

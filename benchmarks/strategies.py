@@ -58,7 +58,9 @@ steps: gathered weights, flat gradients, main grads) beside it; the loss of ever
 ranks).
 
 The comparisons reported as ratios (variant / baseline; against FSDP2 the headline is tuned FSDP2
-and the default is a second column): ZeRO-3 / FSDP2, ZeRO-2 / FSDP2 no-reshard, no_shard / DDP,
+and the default is a second column; beside them the *paired* ratio: per timed round, the
+variant's step over the baseline's step of the same round -- they ran back to back, so slow
+drift in the machine's load cancels -- as median, quartiles and the share of rounds below 1): ZeRO-3 / FSDP2, ZeRO-2 / FSDP2 no-reshard, no_shard / DDP,
 ZeRO-1 / DDP, bf16+FP8 / mfsdp2 bf16, bf16+FP8 / FSDP2 bf16 and mfsdp2 bf16 / FSDP2 bf16.
 
 Cases: ``mlp``, ``llama`` and ``tiny`` of ``_common`` (8 x Linear(1024,4096)-GELU-Linear(4096,1024),
@@ -347,6 +349,7 @@ def combine(per_rank: list[dict], ws: int) -> dict:
         out["variants"][v] = {
             "label": LABELS[v],
             "step_s_median": s["median"], "step_s_p10": s["p10"], "step_s_p90": s["p90"], "n": s["n"],
+            "step_s": t,  # per timed round (max over ranks), in round order: paired_ratio pairs them
             "wire": C.wire_summary(r0["collectives"][v], ws),
             "collectives": r0["collectives"][v],
             "persistent_bytes": mem,
@@ -374,6 +377,15 @@ def comparisons(cases: list[dict]) -> list[dict]:
     def ratio(x, y):
         return x / y if y else None
 
+    def paired(A, B):
+        """Median and quartiles over rounds of A's step / B's step in the same round: the two ran
+        back to back, so load that drifts over a run (other VMs, thermal) cancels in each pair."""
+        if not A.get("step_s") or len(A["step_s"]) != len(B.get("step_s", ())):
+            return None
+        rs = [a / b for a, b in zip(A["step_s"], B["step_s"]) if b]
+        return {"median": C.quantile(rs, 0.5), "q25": C.quantile(rs, 0.25), "q75": C.quantile(rs, 0.75),
+                "fraction_below_1": sum(r < 1 for r in rs) / len(rs), "n": len(rs)}
+
     for c in cases:
         vs = c["variants"]
         for label, a, b, b2 in COMPARISONS:
@@ -388,6 +400,7 @@ def comparisons(cases: list[dict]) -> list[dict]:
                 "step_s": (A["step_s_median"], B["step_s_median"]),
                 "step_ratio": ratio(A["step_s_median"], B["step_s_median"]),
                 "step_ratio_second": ratio(A["step_s_median"], B2["step_s_median"]) if B2 else None,
+                "paired_step_ratio": paired(A, B),
                 "wire_buffer_ratio": ratio(A["wire"]["buffer_bytes"], B["wire"]["buffer_bytes"]),
                 "wire_sent_ratio": ratio(A["wire"]["ring_sent_bytes"], B["wire"]["ring_sent_bytes"]),
                 "all_gather_ratio": ratio(A["wire"]["buffer_bytes_by_kind"]["all_gather"],
@@ -407,6 +420,10 @@ def _mib(n) -> str:
 
 def _r(x, nd=3) -> str:
     return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+def _paired(p) -> str:
+    return "--" if p is None else f"{p['median']:.3f} ({p['q25']:.3f}-{p['q75']:.3f}), {p['fraction_below_1']:.0%}"
 
 
 def markdown(out: dict) -> str:
@@ -434,14 +451,15 @@ def markdown(out: dict) -> str:
             ]) + " |")
     lines.append("")
     hdr = ["case", "ratio (variant / baseline)", "step time (vs tuned FSDP2 / DDP)", "step time vs FSDP2 default",
-           "wire (buffers)", "wire (sent/rank)", "all-gather bytes",
+           "paired per round: median (q25-q75), share < 1", "wire (buffers)", "wire (sent/rank)", "all-gather bytes",
            "persistent", "weights", "grads", "final loss (variant, baseline)", "max rel. loss diff", "other load"]
     lines += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     load = {case_name(c): c["foreign_cpu_fraction"] for c in out["cases"]}
     for r in out["comparisons"]:
         lines.append("| " + " | ".join([
             r["case"], r["comparison"], f"**{_r(r['step_ratio'])}**",
-            "--" if r["step_ratio_second"] is None else _r(r["step_ratio_second"]), _r(r["wire_buffer_ratio"]),
+            "--" if r["step_ratio_second"] is None else _r(r["step_ratio_second"]), _paired(r["paired_step_ratio"]),
+            _r(r["wire_buffer_ratio"]),
             _r(r["wire_sent_ratio"]), _r(r["all_gather_ratio"]), f"**{_r(r['persistent_ratio'])}**",
             _r(r["weights_ratio"]), _r(r["grads_ratio"]),
             f"{r['final_loss'][0]:.5f}, {r['final_loss'][1]:.5f}", f"{r['loss_max_rel_diff']:.1e}",
