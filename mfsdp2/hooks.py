@@ -182,6 +182,30 @@ def _cast(x: Any, dtype) -> Any:
     return x
 
 
+def outside_inference_mode(fn):
+    """Run a runtime entry point (forward hooks, explicit ``unshard()``) with inference mode off
+    and grad mode as the caller had it.
+
+    Why: a forward under ``torch.inference_mode()`` -- an evaluation before the first training
+    step, as Lightning's sanity check runs one -- would otherwise create the runtime's lasting
+    tensors (the allocator's blocks, lazily built buffers) as *inference tensors*, which the
+    next training step may not write in place or save for backward (torch FSDP2 fails there
+    with "Inplace update to inference tensor outside InferenceMode"). Only our own work leaves
+    inference mode: the module's computation still runs in it. ``inference_mode(False)`` turns
+    grad mode on, so grad mode is set back to what the caller had (off)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        grad = torch.is_grad_enabled()
+        with torch.inference_mode(False), torch.set_grad_enabled(grad):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@outside_inference_mode
 def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     state: FSDPState = module._mfsdp2_state
     lazy_init(state)
@@ -259,6 +283,7 @@ def _wait_post_optim_event(ctx: RootContext) -> None:
         event.wait()
 
 
+@outside_inference_mode
 def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     state: FSDPState = module._mfsdp2_state
     event_log.record("forward_end", state.name)

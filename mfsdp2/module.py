@@ -21,7 +21,7 @@ from . import row_propagation  # noqa: F401  (results of ops on RowShard DTensor
 from . import serialization  # noqa: F401  (torch.save of state dicts holding our DTensors)
 from .allocator import BucketAllocator
 from .custom_comm import CustomCommunicator
-from .hooks import lazy_init, post_forward, pre_forward, reset, reshard, unshard_async, wait_unshard
+from .hooks import lazy_init, outside_inference_mode, post_forward, pre_forward, reset, reshard, unshard_async, wait_unshard
 from .state import FSDPState
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
@@ -46,7 +46,7 @@ class UnshardHandle:
 
     def wait(self) -> None:
         if self._state is not None:
-            wait_unshard(self._state)
+            outside_inference_mode(wait_unshard)(self._state)
             self._state = None  # as FSDP2's: keep no reference after the wait
 
 
@@ -93,7 +93,7 @@ class FSDPModule:
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather this unit's parameters now (e.g. to overlap with work before forward)."""
         state = self._mfsdp2_state
-        unshard_async(state)
+        outside_inference_mode(unshard_async)(state)
         handle = UnshardHandle(state)
         if async_op:
             return handle
