@@ -90,6 +90,27 @@ def live_groups() -> list["ParameterGroup"]:
     return list(_LIVE)
 
 
+class _HookForwarder:
+    """An unsharded parameter's gradient hook running its DTensor parameter's hooks (held weakly:
+    the forwarder must not keep a dropped parameter alive). See
+    :meth:`ParameterGroup._forward_tensor_hooks`."""
+
+    def __init__(self, dp: nn.Parameter):
+        self._dp = weakref.ref(dp)
+
+    def __call__(self, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        dp = self._dp()
+        hooks = dp._backward_hooks if dp is not None else None
+        if not hooks:
+            return None
+        changed = False
+        for hook in tuple(hooks.values()):
+            out = hook(grad)
+            if out is not None:
+                grad, changed = out, True
+        return grad if changed else None
+
+
 def swap_param(old: nn.Parameter, new: nn.Parameter) -> None:
     """Give the parameter object ``old`` (held by modules, optimizers, user code) ``new``'s
     contents, keeping its identity, its attributes and those of its local tensor (DCP's
@@ -191,6 +212,7 @@ class ParameterGroup(GradientReduction):
         self._row_shards: dict[int, RowShard] = {}  # as_dtensor's placements, built once
         self._grad_dtensors = None  # (main-grad memory key, gradient DTensors): see expose_grads
         self._dp_storages: Optional[list[int]] = None  # see _check_data_not_assigned
+        self._hooks_forwarded_to: dict[int, nn.Parameter] = {}  # see _forward_tensor_hooks
         self.unsharded_params: list[nn.Parameter] = []
         self._pending_reduce: Optional[_PendingReduce] = None
         # Micro-batches of backwards without gradient sync, summed in the reduce dtype (see
@@ -265,6 +287,8 @@ class ParameterGroup(GradientReduction):
             for k, v in p.__dict__.items():  # user tags (no-weight-decay flags, TP metadata, ...)
                 if not k.startswith("_mfsdp2"):
                     setattr(dp, k, v)
+            if p._backward_hooks:  # gradient hooks registered before fully_shard: the same dict,
+                dp._backward_hooks = p._backward_hooks  # so the user's handles still remove them
             self.dist_params.append(dp)
             unsharded = tp_dtensor(views[i], spec) if spec is not None else views[i]
             up = nn.Parameter(unsharded, requires_grad=p.requires_grad)
@@ -295,6 +319,7 @@ class ParameterGroup(GradientReduction):
             if check:
                 self._check_data_not_assigned()
             self._follow_requires_grad()
+            self._forward_tensor_hooks()
         for i, (owners, p) in enumerate(zip(self.infos, params)):
             for info in owners:
                 if check:
@@ -332,6 +357,27 @@ class ParameterGroup(GradientReduction):
                     "shard keeps the old values, which would be trained and saved). Write the values "
                     "in place instead: with torch.no_grad(): p.copy_(new) (or p.data.copy_(new))"
                 )
+
+    def _forward_tensor_hooks(self) -> None:
+        """Make the gradient hooks users register on the parameters they see
+        (``p.register_hook(lambda g: g * mask)``: masking rows of an embedding, scaling, clipping)
+        run. Autograd computes the gradient of the unsharded parameter, never of the DTensor one,
+        so a hook on the DTensor is never called -- under torch FSDP2 too, silently.
+
+        Each parameter with hooks gets one forwarding hook on its unsharded parameter, which runs
+        the DTensor parameter's current hooks (added or removed since included) on the unsharded
+        gradient of each backward, before the reduction: what the hooks see and do is what they
+        see and do in single-process or DDP code (a full-shape plain tensor, this rank's
+        gradient), and hooks that are linear in the gradient (masks, scales) give exactly the
+        unsharded model's result. A check of one attribute per parameter per forward."""
+        for i, dp in enumerate(self.dist_params):
+            if not dp._backward_hooks:
+                continue
+            up = self.unsharded_params[i]
+            if self._hooks_forwarded_to.get(i) is up or not up.requires_grad:
+                continue
+            up.register_hook(_HookForwarder(dp))
+            self._hooks_forwarded_to[i] = up
 
     def _follow_requires_grad(self) -> None:
         """The module computes with the unsharded parameters, but users freeze (or unfreeze) the
