@@ -1,4 +1,6 @@
-"""Refuse an optimizer step that would ignore gradients a gathered unit still holds unreduced.
+"""Refuse optimizer steps that would silently not do what the user asked: one that ignores
+gradients a gathered unit still holds unreduced, and one of an optimizer built before
+``fully_shard`` (E54, :func:`_check_replaced`), whose parameters no forward reads any more.
 
 Why: mfsdp2 reduces the gradients autograd accumulates into a unit's gathered (unsharded)
 parameters at the end of each backward. Gradients written there *outside* a backward -- torch
@@ -23,7 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .state import RootContext, ShardState
 
-__all__ = ["watch", "UnreducedGradientsError"]
+__all__ = ["watch", "UnreducedGradientsError", "StaleParameterError"]
 
 _contexts: "weakref.WeakSet[RootContext]" = weakref.WeakSet()
 _hook_handle = None
@@ -46,7 +48,44 @@ def _unreduced(ctx: RootContext) -> list:
     return found
 
 
+class StaleParameterError(RuntimeError):
+    """An optimizer holding a parameter object that ``fully_shard`` replaced (built before it)."""
+
+
+# Optimizers already checked for replaced parameters, with their parameter count then: the check
+# runs again only when the count changes (add_param_group), so a step costs one lookup.
+_checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _check_replaced(optimizer) -> None:
+    """Refuse an optimizer built before ``fully_shard``. ``fully_shard`` puts new DTensor
+    parameters on the module; the user's original objects stay behind, and an optimizer holding
+    them steps tensors no forward reads: the model never trains (torch FSDP2 too, silently).
+    The originals carry their owner (``shared_params.mark_owned``), which names them."""
+    from .shared_params import _OWNER, _original
+
+    n = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _checked.get(optimizer) == n:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            owner = getattr(p, _OWNER, None)
+            if owner is None:
+                continue
+            state, g = owner
+            names = [g.infos[i][0].fqn for i, dp in enumerate(g.dist_params) if _original(dp) is p]
+            name = names[0] if names else f"of shape {tuple(p.shape)}"
+            raise StaleParameterError(
+                f"mfsdp2: {type(optimizer).__name__} holds parameter {name!r} of unit {state.name!r} as it "
+                "was before fully_shard replaced it with a sharded DTensor parameter; stepping it would "
+                "never change the model (torch FSDP2 trains nothing then, silently). Build the "
+                "optimizer after fully_shard, from model.parameters()"
+            )
+    _checked[optimizer] = n
+
+
 def _check(optimizer, args, kwargs) -> None:
+    _check_replaced(optimizer)
     if torch._C._current_graph_task_id() != -1:
         return  # a step inside backward (optimizer-in-backward)
     found = [(ctx, s, g) for ctx in list(_contexts) if not ctx.callback_queued for s, g in _unreduced(ctx)]

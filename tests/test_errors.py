@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from mfsdp2 import CollectiveError, MixedPrecisionPolicy
 from mfsdp2.fully_shard import AlreadyShardedError, InvalidShardDimError
 from mfsdp2.module import NotAnFSDPModuleError
-from mfsdp2.step_guard import UnreducedGradientsError
+from mfsdp2.step_guard import StaleParameterError, UnreducedGradientsError
 
 from ._dist import run_ranks
 from .models import Net, batch, build, loss_fn
@@ -81,6 +81,7 @@ EXPECTED = {
     "E51": (ValueError, "all_gather_dtype (FP8 all-gather) with CPUOffloadPolicy for Linear is not supported"),
     "E52": (ValueError, "reshard their weights after forward"),
     "E53": (RuntimeError, "parameter 'fc1.weight' of unit 'blocks.0' had its .data assigned after fully_shard"),
+    "E54": (StaleParameterError, "SGD holds parameter 'inp.weight' of unit 'root' as it was before fully_shard"),
 }
 
 
@@ -241,6 +242,18 @@ def _rows_ws1(rank, ws):
     with torch.no_grad():
         net.blocks[0].fc1.weight.data = net.blocks[0].fc1.weight.data * 2
     _capture(out, "E53", lambda: net(torch.zeros(1, 12)))
+
+    # An optimizer built before fully_shard holds the replaced original parameters.
+    from mfsdp2 import fully_shard
+
+    net = build("net")
+    early = torch.optim.SGD(net.parameters(), lr=0.1)
+    for b in net.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    net(torch.zeros(1, 12)).sum().backward()
+    _capture(out, "E54", lambda: early.step())
+    torch.optim.SGD(net.parameters(), lr=0.1).step()  # one built after fully_shard steps
 
     # A backward that raised midway leaves its callback pending: the next forward must say so.
     net = _sharded_net(mesh)
