@@ -1,6 +1,8 @@
 """Refuse optimizer steps that would silently not do what the user asked: one that ignores
-gradients a gathered unit still holds unreduced, and one of an optimizer built before
-``fully_shard`` (E54, :func:`_check_replaced`), whose parameters no forward reads any more.
+gradients a gathered unit still holds unreduced, one of an optimizer built before
+``fully_shard`` (E54, :func:`_check_replaced`), whose parameters no forward reads any more, and
+one that would leave out micro-batches accumulated with gradient sync off (E55,
+:func:`_check_unsynced`).
 
 Why: mfsdp2 reduces the gradients autograd accumulates into a unit's gathered (unsharded)
 parameters at the end of each backward. Gradients written there *outside* a backward -- torch
@@ -25,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .state import RootContext, ShardState
 
-__all__ = ["watch", "UnreducedGradientsError", "StaleParameterError"]
+__all__ = ["watch", "UnreducedGradientsError", "StaleParameterError", "UnsyncedGradientsError"]
 
 _contexts: "weakref.WeakSet[RootContext]" = weakref.WeakSet()
 _hook_handle = None
@@ -84,10 +86,37 @@ def _check_replaced(optimizer) -> None:
     _checked[optimizer] = n
 
 
+class UnsyncedGradientsError(RuntimeError):
+    """An optimizer step while units hold micro-batch gradients accumulated with sync off."""
+
+
+def _check_unsynced(optimizer) -> None:
+    """Refuse a step while units hold gradients accumulated with gradient sync off
+    (``set_requires_gradient_sync(False)``) that no backward with sync on reduced since: the
+    step would use none of them (``.grad`` holds the last *reduced* gradient, or nothing), so
+    those micro-batches would silently not count -- the usual cause is a sync flag never turned
+    back on for the last micro-batch (torch FSDP2 steps without them, silently). Units with sync
+    on cost one comparison; only units whose parameters this optimizer steps count."""
+    found = [(ctx, s) for ctx in list(_contexts) if not ctx.callback_queued for s in ctx.states
+             if not s.requires_gradient_sync and any(g.requires_grad and g.has_unsharded_grads() for g in s.groups)]
+    if not found:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    names = [s.name for _, s in found if any(id(p) in stepped for g in s.groups for p in g.dist_params)]
+    if names:
+        raise UnsyncedGradientsError(
+            f"mfsdp2: optimizer step while units {names} hold gradients accumulated with gradient sync off "
+            "(set_requires_gradient_sync(False)) that no backward reduced yet: this step would not use "
+            "them. Turn sync back on for the last micro-batch, before its backward: "
+            "model.set_requires_gradient_sync(True)"
+        )
+
+
 def _check(optimizer, args, kwargs) -> None:
     _check_replaced(optimizer)
     if torch._C._current_graph_task_id() != -1:
         return  # a step inside backward (optimizer-in-backward)
+    _check_unsynced(optimizer)
     found = [(ctx, s, g) for ctx in list(_contexts) if not ctx.callback_queued for s, g in _unreduced(ctx)]
     if not found:
         return  # the common case: nothing gathered holds a gradient, no per-parameter work

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from mfsdp2 import CollectiveError, MixedPrecisionPolicy
 from mfsdp2.fully_shard import AlreadyShardedError, InvalidShardDimError
 from mfsdp2.module import NotAnFSDPModuleError
-from mfsdp2.step_guard import StaleParameterError, UnreducedGradientsError
+from mfsdp2.step_guard import StaleParameterError, UnreducedGradientsError, UnsyncedGradientsError
 
 from ._dist import run_ranks
 from .models import Net, batch, build, loss_fn
@@ -81,6 +81,7 @@ EXPECTED = {
     "E51": (ValueError, "all_gather_dtype (FP8 all-gather) with CPUOffloadPolicy for Linear is not supported"),
     "E52": (ValueError, "reshard their weights after forward"),
     "E53": (RuntimeError, "parameter 'fc1.weight' of unit 'blocks.0' had its .data assigned after fully_shard"),
+    "E55": (UnsyncedGradientsError, "hold gradients accumulated with gradient sync off"),
     "E54": (StaleParameterError, "SGD holds parameter 'inp.weight' of unit 'root' as it was before fully_shard"),
 }
 
@@ -254,6 +255,16 @@ def _rows_ws1(rank, ws):
     net(torch.zeros(1, 12)).sum().backward()
     _capture(out, "E54", lambda: early.step())
     torch.optim.SGD(net.parameters(), lr=0.1).step()  # one built after fully_shard steps
+
+    # A step while micro-batches accumulated with gradient sync off were never reduced.
+    net = _sharded_net(mesh)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net.set_requires_gradient_sync(False)
+    net(torch.zeros(1, 12)).sum().backward()
+    _capture(out, "E55", lambda: opt.step())
+    net.set_requires_gradient_sync(True)  # the last micro-batch syncs: the step goes through
+    net(torch.zeros(1, 12)).sum().backward()
+    opt.step()
 
     # A backward that raised midway leaves its callback pending: the next forward must say so.
     net = _sharded_net(mesh)
