@@ -9,7 +9,8 @@ tensor into its main gradient and added the reduction there, but left the user's
 doubled gradient, the whole reduction lost for a fresh zero tensor) -- silently.
 
 Each scenario: backward, the edit, backward, ``opt.step()``. Float64 at world size 2, every
-mfsdp2 strategy (ZeRO-3 also with small units' reductions in a bucket and without), against
+mfsdp2 strategy (ZeRO-3 also with small units' reductions in a bucket and without, and with CPU
+offload: main gradients in host memory), against
 torch FSDP2 (ZeRO-3, ZeRO-2) run in its own rank processes and against the unsharded model doing
 the same edits on the whole batch: gradients after the second backward and weights after the step
 to 1e-10 relative (``tests/models.py``: float64 sums in another order differ by ~1e-14).
@@ -36,6 +37,7 @@ SETUPS = {
     "zero2": ("mfsdp2", {"sharding_strategy": "optim_grads"}, None),
     "zero1": ("mfsdp2", {"sharding_strategy": "optim"}, None),
     "no_shard": ("mfsdp2", {"sharding_strategy": "no_shard"}, None),
+    "zero3_offload": ("mfsdp2", {"offload_policy": "cpu"}, None),  # main grads in host memory
 }
 
 
@@ -80,6 +82,10 @@ def _run(rank, ws, setups):
     out = {}
     for name in setups:
         runtime, kwargs, cap = SETUPS[name]
+        if kwargs.get("offload_policy") == "cpu":
+            from torch.distributed.fsdp import CPUOffloadPolicy  # what mfsdp2 takes too
+
+            kwargs = {**kwargs, "offload_policy": CPUOffloadPolicy(pin_memory=False)}
         for scenario in SCENARIOS:
             model = shard_blocks(build("net", dtype=F64), mesh, runtimes()[runtime], **kwargs)
             if cap is not None:
