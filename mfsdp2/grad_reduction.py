@@ -515,8 +515,9 @@ class GradientReduction:
         for i, dp in enumerate(self.dist_params):
             if overwrite[i]:
                 view(dst, i).zero_()
-            elif dp.grad._local_tensor.data_ptr() != self.weights.piece_view(self.main_grad, i).data_ptr():
-                # The user assigned a grad of their own: fold it in before accumulating.
+            elif self._is_foreign_grad(dp.grad, self.main_grad, i):
+                # The user assigned a grad of their own: fold it in before accumulating
+                # (expose_grads then points .grad at the sum).
                 self.weights.piece_view(self.main_grad, i).copy_(dp.grad._local_tensor)
         dst.add_(self.main.fetch(out))  # offloaded: a blocking copy to the host first
 

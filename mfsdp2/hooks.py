@@ -184,15 +184,10 @@ def _cast(x: Any, dtype) -> Any:
 
 def outside_inference_mode(fn):
     """Run a runtime entry point (forward hooks, explicit ``unshard()``) with inference mode off
-    and grad mode as the caller had it.
-
-    Why: a forward under ``torch.inference_mode()`` -- an evaluation before the first training
-    step, as Lightning's sanity check runs one -- would otherwise create the runtime's lasting
-    tensors (the allocator's blocks, lazily built buffers) as *inference tensors*, which the
-    next training step may not write in place or save for backward (torch FSDP2 fails there
-    with "Inplace update to inference tensor outside InferenceMode"). Only our own work leaves
-    inference mode: the module's computation still runs in it. ``inference_mode(False)`` turns
-    grad mode on, so grad mode is set back to what the caller had (off)."""
+    and the caller's grad mode. Why: under ``torch.inference_mode()`` (an eval before the first
+    training step: Lightning's sanity check) the allocator's blocks and lazily built buffers would
+    be *inference tensors*, which the next training step may not write or save for backward
+    (torch FSDP2 fails there). The module's own computation stays in inference mode."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
