@@ -389,6 +389,31 @@ def _rows_ws2_checks(rank, ws):
     return out
 
 
+def _hsdp_partial(rank, ws):
+    """E55's HSDP form: shard-group sums kept by set_requires_all_reduce(False) at a step."""
+    from mfsdp2 import fully_shard
+
+    mesh = init_device_mesh("cpu", (ws, 1), mesh_dim_names=("replicate", "shard"))
+    net = build("net")
+    for b in net.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net.set_requires_all_reduce(False)
+    net(torch.zeros(1, 12)).sum().backward()
+    out: dict = {}
+    _capture(out, "E55", lambda: opt.step())
+    net.set_requires_all_reduce(True)
+    net(torch.zeros(1, 12)).sum().backward()
+    opt.step()  # the last micro-batch all-reduces: the step goes through
+    return out["E55"]
+
+
+def test_e55_hsdp_partial_sums_at_a_step():
+    for typ, msg in run_ranks(_hsdp_partial, 2):
+        assert typ == UnsyncedGradientsError.__name__ and "set_requires_all_reduce(False)" in msg, (typ, msg)
+
+
 @pytest.fixture(scope="module")
 def messages() -> dict:
     out = dict(run_ranks(_rows_ws1, 1)[0])
