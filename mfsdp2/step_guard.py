@@ -94,12 +94,14 @@ def _check_unsynced(optimizer) -> None:
     """Refuse a step while units hold gradients accumulated with gradient sync off
     (``set_requires_gradient_sync(False)``) that no backward with sync on reduced since, or
     HSDP shard-group sums kept for a later all-reduce across replicas
-    (``set_requires_all_reduce(False)``) that none did: the step would use none of them (``.grad`` holds the last *reduced* gradient, or nothing), so
+    (``set_requires_all_reduce(False)``) that none did, or reductions a backward left in flight
+    (``set_is_last_backward(False)``): the step would use none of them (``.grad`` holds the last *reduced* gradient, or nothing), so
     those micro-batches would silently not count -- the usual cause is a sync flag never turned
     back on for the last micro-batch (torch FSDP2 steps without them, silently). Units with sync
     on cost one comparison; only units whose parameters this optimizer steps count."""
     found = [(ctx, s) for ctx in list(_contexts) if not ctx.callback_queued for s in ctx.states
-             if any(g.partial is not None for g in s.groups)  # HSDP: set_requires_all_reduce(False)
+             if any(g.partial is not None or g.reduce_pending for g in s.groups)  # HSDP partial sums;
+             # reductions left in flight by set_is_last_backward(False)
              or (not s.requires_gradient_sync and any(g.requires_grad and g.has_unsharded_grads() for g in s.groups))]
     if not found:
         return
@@ -108,9 +110,10 @@ def _check_unsynced(optimizer) -> None:
     if names:
         raise UnsyncedGradientsError(
             f"mfsdp2: optimizer step while units {names} hold gradients accumulated with gradient sync off "
-            "(set_requires_gradient_sync(False), or HSDP's set_requires_all_reduce(False)) that no backward "
-            "reduced yet: this step would not use them. Turn sync back on for the last micro-batch, before "
-            "its backward: model.set_requires_gradient_sync(True) (set_requires_all_reduce(True))"
+            "(set_requires_gradient_sync(False), HSDP's set_requires_all_reduce(False), or reductions left in "
+            "flight by set_is_last_backward(False)) that no backward completed yet: this step would not use "
+            "them. Turn sync back on for the last micro-batch, before its backward: "
+            "model.set_requires_gradient_sync(True) (set_requires_all_reduce(True), set_is_last_backward(True))"
         )
 
 

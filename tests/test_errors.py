@@ -389,29 +389,33 @@ def _rows_ws2_checks(rank, ws):
     return out
 
 
-def _hsdp_partial(rank, ws):
-    """E55's HSDP form: shard-group sums kept by set_requires_all_reduce(False) at a step."""
+def _e55_other_flags(rank, ws, flag):
+    """E55's other forms: HSDP shard-group sums kept by set_requires_all_reduce(False), and
+    reductions left in flight by set_is_last_backward(False), at a step."""
     from mfsdp2 import fully_shard
 
-    mesh = init_device_mesh("cpu", (ws, 1), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh("cpu", (ws, 1), mesh_dim_names=("replicate", "shard")) if flag == "all_reduce" else \
+        init_device_mesh("cpu", (ws,))
     net = build("net")
     for b in net.blocks:
         fully_shard(b, mesh=mesh)
     fully_shard(net, mesh=mesh)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    net.set_requires_all_reduce(False)
+    setter = net.set_requires_all_reduce if flag == "all_reduce" else net.set_is_last_backward
+    setter(False)
     net(torch.zeros(1, 12)).sum().backward()
     out: dict = {}
     _capture(out, "E55", lambda: opt.step())
-    net.set_requires_all_reduce(True)
+    setter(True)
     net(torch.zeros(1, 12)).sum().backward()
-    opt.step()  # the last micro-batch all-reduces: the step goes through
+    opt.step()  # the last micro-batch completes its reductions: the step goes through
     return out["E55"]
 
 
-def test_e55_hsdp_partial_sums_at_a_step():
-    for typ, msg in run_ranks(_hsdp_partial, 2):
-        assert typ == UnsyncedGradientsError.__name__ and "set_requires_all_reduce(False)" in msg, (typ, msg)
+@pytest.mark.parametrize("flag", ["all_reduce", "last_backward"])
+def test_e55_other_flags_at_a_step(flag):
+    for typ, msg in run_ranks(_e55_other_flags, 2, flag):
+        assert typ == UnsyncedGradientsError.__name__ and "no backward completed" in msg, (typ, msg)
 
 
 @pytest.fixture(scope="module")
