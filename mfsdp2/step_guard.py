@@ -90,19 +90,23 @@ class UnsyncedGradientsError(RuntimeError):
     """An optimizer step while units hold micro-batch gradients accumulated with sync off."""
 
 
+def _holds_pending(s) -> bool:
+    """Whether unit ``s`` holds gradients a step would miss: micro-batches accumulated with sync
+    off, HSDP shard-group sums awaiting the all-reduce across replicas, reductions in flight."""
+    if any(g.partial is not None or g.reduce_pending for g in s.groups):
+        return True
+    return not s.requires_gradient_sync and any(g.requires_grad and g.has_unsharded_grads() for g in s.groups)
+
+
 def _check_unsynced(optimizer) -> None:
-    """Refuse a step while units hold gradients accumulated with gradient sync off
-    (``set_requires_gradient_sync(False)``) that no backward with sync on reduced since, or
-    HSDP shard-group sums kept for a later all-reduce across replicas
-    (``set_requires_all_reduce(False)``) that none did, or reductions a backward left in flight
-    (``set_is_last_backward(False)``): the step would use none of them (``.grad`` holds the last *reduced* gradient, or nothing), so
-    those micro-batches would silently not count -- the usual cause is a sync flag never turned
-    back on for the last micro-batch (torch FSDP2 steps without them, silently). Units with sync
-    on cost one comparison; only units whose parameters this optimizer steps count."""
-    found = [(ctx, s) for ctx in list(_contexts) if not ctx.callback_queued for s in ctx.states
-             if any(g.partial is not None or g.reduce_pending for g in s.groups)  # HSDP partial sums;
-             # reductions left in flight by set_is_last_backward(False)
-             or (not s.requires_gradient_sync and any(g.requires_grad and g.has_unsharded_grads() for g in s.groups))]
+    """Refuse a step while units whose parameters it steps hold gradients no backward completed:
+    accumulated with ``set_requires_gradient_sync(False)``, kept for HSDP's all-reduce across
+    replicas by ``set_requires_all_reduce(False)``, or left in flight by
+    ``set_is_last_backward(False)``. The step would use none of them (``.grad`` holds the last
+    *completed* gradient, or nothing), so those micro-batches would silently not count -- the
+    usual cause is a flag never turned back on for the last micro-batch (torch FSDP2 steps
+    without them, silently). A few attribute reads per group; no device work."""
+    found = [(ctx, s) for ctx in list(_contexts) if not ctx.callback_queued for s in ctx.states if _holds_pending(s)]
     if not found:
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
