@@ -332,7 +332,9 @@ class ParameterGroup(GradientReduction):
                             "assigning a new Parameter, or assign before calling fully_shard"
                         )
                 info.owner._parameters[info.attr] = p
-        if not unsharded:
+        if not unsharded and not check:
+            # (Re)built parameters (fully_shard, conversions, regrouping): not every reshard, so
+            # an assignment made while the unit was gathered is still caught at its next forward.
             self._record_storages()
 
     def _record_storages(self) -> None:

@@ -25,6 +25,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .shared_params import _OWNER, _original
 from .state import RootContext, ShardState
 
 __all__ = ["watch", "UnreducedGradientsError", "StaleParameterError", "UnsyncedGradientsError"]
@@ -64,8 +65,6 @@ def _check_replaced(optimizer) -> None:
     parameters on the module; the user's original objects stay behind, and an optimizer holding
     them steps tensors no forward reads: the model never trains (torch FSDP2 too, silently).
     The originals carry their owner (``shared_params.mark_owned``), which names them."""
-    from .shared_params import _OWNER, _original
-
     n = sum(len(group["params"]) for group in optimizer.param_groups)
     if _checked.get(optimizer) == n:
         return
