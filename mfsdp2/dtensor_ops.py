@@ -38,6 +38,14 @@ and torch's ``clip_grad_norm_`` with ``inf`` failed on every mfsdp2 model. An em
 contribution is the combine's identity (``-inf`` for a max, ``+inf`` for a min, 0 for an infinity
 norm), so such a piece is handed to DTensor as a one-element stand-in holding it, under the same
 spec; the result is the whole tensor's, as for FSDP2.
+
+Fused optimizer kernels DTensor has no sharding rule for -- ``_fused_sgd_`` and
+``_fused_adagrad_`` (``torch.optim.SGD`` / ``Adagrad(fused=True)``; FSDP2 raises "does not have a
+sharding strategy" for them) -- run on the local pieces when our parameters are among their
+arguments: each updates parameter i from gradient i and state i alone, element by element, so the
+kernel on this rank's rows is the full kernel restricted to them. Every DTensor of index i must
+hold the same rows (mesh and placements equal, row counts included), else the call is refused
+naming the argument: nothing is redistributed into a temporary the kernel would update instead.
 """
 
 from __future__ import annotations
@@ -166,6 +174,40 @@ def _reduction_handler(op_call, args, kwargs):
     return _default(op_call, args, kwargs)
 
 
+def _local_of(t, i: int, name: str, spec):
+    """``t``'s local tensor, checked against the index's reference ``spec`` (mesh, placements)."""
+    if not isinstance(t, DTensor):
+        return t  # 0-dim step counters, grad_scale / found_inf: plain tensors
+    same = t.device_mesh == spec.device_mesh and len(t.placements) == len(spec.placements) and all(
+        a == b and getattr(a, "rows", None) == getattr(b, "rows", None) for a, b in zip(t.placements, spec.placements)
+    )
+    if not same:
+        raise RuntimeError(
+            f"mfsdp2: a fused optimizer kernel got {name}[{i}] with placements {tuple(t.placements)} for a "
+            f"parameter with {tuple(spec.placements)}: the kernel updates each parameter's state in place, "
+            "so they must hold the same rows (create states from their parameters, e.g. torch.zeros_like(p))."
+        )
+    return t._local_tensor
+
+
+def _fused_elementwise_handler(op_call, args, kwargs):
+    lists = [a for a in args if isinstance(a, (list, tuple))]
+    params = lists[0] if lists else []
+    ours = any(isinstance(p, DTensor) and any(isinstance(pl, RowShard) for pl in p.placements) for p in params)
+    if not ours or torch.compiler.is_compiling():
+        return _default(op_call, args, kwargs)  # DTensor's own verdict (torch has no rule: it raises)
+    names = [a.name for a in op_call._schema.arguments]
+    local_args = []
+    for j, a in enumerate(args):
+        if isinstance(a, (list, tuple)):
+            a = [_local_of(t, i, names[j], params[i]) if i < len(params) else t for i, t in enumerate(a)]
+        elif isinstance(a, DTensor):
+            a = a._local_tensor
+        local_args.append(a)
+    local_kwargs = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in kwargs.items()}
+    return op_call(*local_args, **local_kwargs)
+
+
 def _default(op_call, args, kwargs):
     previous = _previous.get(op_call)
     if previous is not None:
@@ -186,6 +228,10 @@ _HANDLERS = {
     _aten.min.default: _reduction_handler,
     _aten.amax.default: _reduction_handler,
     _aten.amin.default: _reduction_handler,
+    _aten._fused_sgd_.default: _fused_elementwise_handler,
+    _aten._fused_sgd_.tensor_lr: _fused_elementwise_handler,
+    _aten._fused_adagrad_.default: _fused_elementwise_handler,
+    _aten._fused_adagrad_.tensor_lr: _fused_elementwise_handler,
 }
 
 
@@ -199,7 +245,7 @@ def install() -> None:
         if current is not None:
             _previous[op] = current
         handlers[op] = handler
-    logger.debug("mfsdp2: DTensor copy_ / infinity-norm handlers for RowShard DTensors installed")
+    logger.debug("mfsdp2: DTensor copy_ / infinity-norm / fused-optimizer handlers for RowShard DTensors installed")
 
 
 install()

@@ -123,20 +123,90 @@ def _with(spec: DTensorSpec, d: int, pl) -> DTensorSpec:
     return dataclasses.replace(spec, placements=tuple(new))
 
 
+@functools.lru_cache(maxsize=None)
+def _op_signature(op) -> tuple[bool, tuple[int, ...], tuple[str, ...]]:
+    """``(multi_tensor, written positional args, written keyword args)`` of an ATen op, from its
+    schema. Multi-tensor: it takes a tensor list and returns lists or nothing (``_foreach_*``,
+    ``_fused_adam(w)_``, ``_fused_sgd_``, ``_amp_foreach_...``), so its i-th output (or in-place
+    update) is computed from the i-th tensor of each list alone -- unlike ``cat`` / ``stack``
+    (one ``Tensor`` out of the whole list). Written: the arguments the schema marks ``(a!)``
+    (in-place ``self``, ``out=``, an optimizer's states)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return False, (), ()
+    lists = any(str(a.type) == "List[Tensor]" for a in schema.arguments)
+    multi = lists and all(str(r.type).startswith("List[") for r in schema.returns)
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    pos = tuple(i for i, a in enumerate(schema.arguments) if a in written and not a.kwarg_only)
+    kw = tuple(a.name for a in written if a.kwarg_only)
+    return multi, pos, kw
+
+
 def _groups(op_schema) -> list[tuple[list[tuple[int, Optional[int]]], Optional[int]]]:
     """``(positions of DTensorSpecs in args_schema, output index)`` for each set of inputs the op
-    combines row by row into one output: for ``_foreach`` ops the i-th tensor of every list (and
-    any single tensor argument) into output i, for other ops every tensor argument into every
-    output (``None``)."""
+    combines row by row into one output: for multi-tensor ops (see :func:`_op_signature`) the i-th
+    tensor of every list (and any single tensor argument) into output i, for other ops every
+    tensor argument into every output (``None``). Written arguments come first in each set: the
+    split they hold is the one the set is aligned to (they are never moved, see
+    :func:`_refuse_written_moves`)."""
     args = op_schema.args_schema
+    multi, written, _ = _op_signature(op_schema.op)
     singles = [(i, None) for i, a in enumerate(args) if isinstance(a, DTensorSpec)]
     lists = [
         i for i, a in enumerate(args) if isinstance(a, (list, tuple)) and any(isinstance(x, DTensorSpec) for x in a)
     ]
-    if lists and "_foreach_" in str(op_schema.op):
-        n = len(args[lists[0]])
-        return [([(i, k) for i in lists if k < len(args[i])] + singles, k) for k in range(n)]
-    return [(singles + [(i, k) for i in lists for k in range(len(args[i]))], None)]
+
+    def first_written(positions):
+        return sorted(positions, key=lambda p: p[0] not in written)
+
+    if lists and multi:
+        n = max(len(args[i]) for i in lists)
+        return [(first_written([(i, k) for i in lists if k < len(args[i])] + singles), k) for k in range(n)]
+    return [(first_written(singles + [(i, k) for i in lists for k in range(len(args[i]))]), None)]
+
+
+def _refuse_written_moves(op_schema, want) -> None:
+    """An op's written arguments (see :func:`_op_signature`) must be used as they are: DTensor's
+    dispatcher would bring a written argument whose wanted spec differs to it in a *new* local
+    tensor, the kernel would update that temporary, and the real parameter, gradient or optimizer
+    state would keep its old value -- a silent wrong step. So such a plan is an error naming the
+    op and the argument (there is no correct way to run it row by row)."""
+    _, written, _ = _op_signature(op_schema.op)
+    args = op_schema.args_schema
+    for i in written:
+        if i >= len(args):
+            continue
+        cur, tgt = args[i], want[i]
+        pairs = zip(cur, tgt) if isinstance(cur, (list, tuple)) else [(cur, tgt)]
+        for k, (c, t) in enumerate(pairs):
+            if isinstance(c, DTensorSpec) and isinstance(t, DTensorSpec) and _moves(c, t):
+                name = op_schema.op._schema.arguments[i].name
+                where = f"{name}[{k}]" if isinstance(cur, (list, tuple)) else name
+                raise RuntimeError(
+                    f"mfsdp2: {op_schema.op} writes into its argument '{where}' ({_describe(c)}), but its "
+                    f"other inputs would need it as {_describe(t)}: DTensor would redistribute it into a "
+                    "temporary copy and the update would be lost. Give the tensors the op updates together "
+                    "the same placements (e.g. optimizer states created from their parameters, "
+                    "torch.zeros_like(p)), or redistribute them explicitly first."
+                )
+
+
+def _moves(cur: DTensorSpec, tgt: DTensorSpec) -> bool:
+    """Whether going from ``cur`` to ``tgt`` changes the local tensor (DTensor redistributes)."""
+    if cur.mesh != tgt.mesh or len(cur.placements) != len(tgt.placements):
+        return True
+    for d, (c, t) in enumerate(zip(cur.placements, tgt.placements)):
+        if c != t or _mixes_row_and_chunk((c,), (t,)):
+            return True
+        n = _rows_of(cur)
+        if n is not None and _dim0(c) and _split(c, n, cur.mesh.size(d)) != _split(t, n, cur.mesh.size(d)):
+            return True
+    return False
+
+
+def _describe(spec: DTensorSpec) -> str:
+    shape = tuple(spec.tensor_meta.shape) if spec.tensor_meta is not None else "?"
+    return f"shape {shape}, placements {tuple(spec.placements)}"
 
 
 def _output_specs(out) -> list:
@@ -177,9 +247,10 @@ def _align(op_schema, out, move: bool) -> bool:
         for d in range(mesh.ndim if mesh is not None else 0):
             k = mesh.size(d)
             for n, members in _dim0_classes(want, positions, d).items():
-                # The split of the first input already sharded on dim 0 here does not move (for an
-                # in-place op that input is self, whose rows the result keeps). None: every such
-                # input is gathered or reduced first, DTensor's own plan.
+                # The split of the first input already sharded on dim 0 here does not move (written
+                # inputs come first: an in-place op's self, whose rows the result keeps, an
+                # optimizer's parameter). None: every such input is gathered or reduced first,
+                # DTensor's own plan.
                 ref = next((_get(args, p).placements[d] for p in members if _dim0(_get(args, p).placements[d])), None)
                 if ref is None:
                     continue
@@ -198,6 +269,8 @@ def _align(op_schema, out, move: bool) -> bool:
                     if isinstance(spec, DTensorSpec) and _rows_of(spec) == n and type(spec.placements[d]) is Shard:
                         if spec.placements[d].dim == 0:
                             new_outs[o] = _with(spec, d, ref)
+    if move and (moved or out.needs_redistribute):
+        _refuse_written_moves(op_schema, want)
     if moved or out.redistribute_schema is not None:
         schema = out.redistribute_schema or op_schema
         new_args = tuple(type(b)(w) if isinstance(b, (list, tuple)) else w for b, w in zip(base, want))
@@ -213,9 +286,30 @@ def _align(op_schema, out, move: bool) -> bool:
 def _rewrite(propagator, op_schema, out):
     if out is None or not _has_row_shard(op_schema):
         return out
-    if _align(op_schema, out, move=not _are_we_tracing()) and isinstance(out.output_spec, DTensorSpec):
+    move = not _are_we_tracing()
+    if _align(op_schema, out, move=move) and isinstance(out.output_spec, DTensorSpec):
         _fix_shape_args(propagator, op_schema, out, out.output_spec)
+    if move:
+        _refuse_out_mismatch(op_schema, out)
     return out
+
+
+def _refuse_out_mismatch(op_schema, out) -> None:
+    """``out=`` tensors are never redistributed by DTensor (it relabels them with the result's
+    spec and the local kernel resizes their local tensor): a result whose rows differ from the
+    ``out`` tensor's would shrink or reallocate a parameter's piece, or land at other rows."""
+    _, _, written_kw = _op_signature(op_schema.op)
+    if not written_kw:
+        return
+    results = _output_specs(out)
+    for name, res in zip(written_kw, results):
+        dst = op_schema.kwargs_schema.get(name)
+        if isinstance(dst, DTensorSpec) and isinstance(res, DTensorSpec) and _moves(dst, res):
+            raise RuntimeError(
+                f"mfsdp2: {op_schema.op} would write a result with {_describe(res)} into its '{name}=' "
+                f"tensor ({_describe(dst)}), whose rows differ: compute the result first and copy_ it "
+                "into the tensor (copy_ lines the rows up)."
+            )
 
 
 def _has_row_shard(op_schema) -> bool:
