@@ -295,25 +295,40 @@ def _rewrite(propagator, op_schema, out):
 
 
 def _refuse_out_mismatch(op_schema, out) -> None:
-    """``out=`` tensors are never redistributed by DTensor (it relabels them with the result's
-    spec and the local kernel resizes their local tensor): a result whose rows differ from the
-    ``out`` tensor's would shrink or reallocate a parameter's piece, or land at other rows."""
+    """``out=`` tensors are never redistributed by DTensor: it relabels them with the result's
+    spec, and the local kernel resizes their local tensor to the result's. A result holding the
+    ``out`` tensor's rows keeps the ``out`` tensor's label (a plain ``Shard(0)`` result of the same
+    split would otherwise strip our parameter's ``RowShard``); a result of other rows or another
+    placement would shrink or reallocate a parameter's piece, or land at other rows: refused."""
     _, _, written_kw = _op_signature(op_schema.op)
-    if not written_kw:
-        return
     results = _output_specs(out)
-    for name, res in zip(written_kw, results):
+    new = list(results)
+    for j, (name, res) in enumerate(zip(written_kw, results)):
         dst = op_schema.kwargs_schema.get(name)
-        if isinstance(dst, DTensorSpec) and isinstance(res, DTensorSpec) and _moves(dst, res):
+        if not (isinstance(dst, DTensorSpec) and isinstance(res, DTensorSpec)):
+            continue
+        if not any(isinstance(pl, RowShard) for pl in tuple(dst.placements) + tuple(res.placements)):
+            continue
+        n = _rows_of(dst)
+        same = dst.mesh == res.mesh and len(dst.placements) == len(res.placements) and all(
+            (c == t and not _mixes_row_and_chunk((c,), (t,)))
+            or (n is not None and _dim0(c) and _dim0(t) and _split(c, n, dst.mesh.size(d)) == _split(t, n, dst.mesh.size(d)))
+            for d, (c, t) in enumerate(zip(dst.placements, res.placements))
+        )
+        if not same:
             raise RuntimeError(
                 f"mfsdp2: {op_schema.op} would write a result with {_describe(res)} into its '{name}=' "
                 f"tensor ({_describe(dst)}), whose rows differ: compute the result first and copy_ it "
                 "into the tensor (copy_ lines the rows up)."
             )
+        new[j] = dataclasses.replace(res, placements=dst.placements)
+    if any(a is not b for a, b in zip(results, new)):
+        spec = out.output_spec
+        out.output_spec = new[0] if isinstance(spec, DTensorSpec) else type(spec)(new)
 
 
 def _has_row_shard(op_schema) -> bool:
-    for spec in _specs(tuple(op_schema.args_schema)):
+    for spec in _specs(tuple(op_schema.args_schema) + tuple(op_schema.kwargs_schema.values())):
         if any(isinstance(pl, RowShard) for pl in spec.placements):
             return True
     return False
