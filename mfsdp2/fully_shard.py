@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import OffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from . import devices
 from .allocator import BucketAllocator
 from .comm import Communicator
 from .mixed_precision import MixedPrecisionPolicy
@@ -49,9 +50,7 @@ def _default_mesh() -> DeviceMesh:
 
 def _communicator(mesh: DeviceMesh, dim: Optional[int]) -> Communicator:
     """The (cached) communicator of mesh dimension ``dim``; ``None``: this rank alone."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
-    )
+    device = devices.mesh_compute_device(mesh)
     group = mesh.get_group(dim) if dim is not None else None
     key = (id(group), str(device))
     if key not in _communicators:

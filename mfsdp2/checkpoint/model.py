@@ -41,7 +41,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..placement import RowShard
+from ..placement import RowShard, wrap_local
 from ._common import check_loadable, full_of, global_rows, mark_write_nothing, relabel_rows, row_range
 
 __all__ = ["register_state_dict_hooks", "mark_empty_pieces"]
@@ -82,7 +82,7 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, loca
             state_dict[key] = dp
         elif _generic(dp):
             local = dp._local_tensor.detach()
-            out = DTensor.from_local(local, dp.device_mesh, dp.placements, run_check=False, shape=dp.shape, stride=dp.stride())
+            out = wrap_local(local, dp.device_mesh, dp.placements, dp.shape, dp.stride())  # offloaded: stays on the host
             if local.numel() == 0 and dp.numel() > 0:
                 mark_write_nothing(out)
             state_dict[key] = out
