@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat
+from .devices import group_backend, reduce_op_support
 
 __all__ = [
     "CommStats",
@@ -260,7 +261,10 @@ class Communicator:
         self.device = device
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        self.backend = dist.get_backend(group) if group is not None else "local"
+        # The backend that runs this group's collectives on ``device`` (a group may hold one per
+        # device type: ``init_process_group()`` gives cpu:gloo,cuda:nccl), see mfsdp2.devices.
+        self.backend = (group_backend(group, device.type) or dist.get_backend(group)) if group is not None else "local"
+        self._premul, self._native_avg = reduce_op_support(self.backend)
         cuda = device.type == "cuda"
         self.ag_stream = torch.cuda.Stream(device) if cuda else None
         self.rs_stream = torch.cuda.Stream(device) if cuda else None
@@ -278,7 +282,7 @@ class Communicator:
     def premul_sum(self, factor: float):
         """NCCL's PREMUL_SUM (scale by ``factor`` inside the reduction), or None where the backend
         has none (gloo: the caller pre-scales while packing instead)."""
-        if self.backend == "nccl" and hasattr(dist, "_make_nccl_premul_sum"):
+        if self._premul:
             return dist._make_nccl_premul_sum(factor)
         return None
 
@@ -494,7 +498,8 @@ class Communicator:
             return _DONE
         if group is self.group:
             self.verify(label, tensor.numel())
-        emulate_avg = op == dist.ReduceOp.AVG and dist.get_backend(group) != "nccl"
+        native_avg = self._native_avg if group is self.group else reduce_op_support(group_backend(group, self.device.type))[1]
+        emulate_avg = op == dist.ReduceOp.AVG and not native_avg
         wire_op = dist.ReduceOp.SUM if emulate_avg else op
         handle = self._launch(
             self.ar_stream, lambda a: dist.all_reduce(tensor, op=wire_op, group=group, async_op=a), label

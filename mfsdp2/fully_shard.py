@@ -44,7 +44,8 @@ _class_cache: dict[type, type] = {}
 def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError("mfsdp2.fully_shard needs torch.distributed initialised (dist.init_process_group)")
-    device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    accelerator = "cuda" if torch.cuda.is_available() else None
+    device_type = devices.default_mesh_device_type(accelerator, dist.get_backend_config())
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
