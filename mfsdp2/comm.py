@@ -81,6 +81,17 @@ def host_tensor(values, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
+def device_ints(values, device: torch.device) -> torch.Tensor:
+    """``values`` (ints the host knows: sizes, segment lengths) as an int64 tensor on ``device``.
+    On CUDA through page-locked memory with a non-blocking copy: ``torch.tensor(values,
+    device="cuda")`` copies from pageable memory and waits for the copy, a host synchronisation
+    (torch's caching host allocator keeps the page-locked block until the copy is done)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 # gloo reduce-scatters of inputs below this many bytes all-reduce the input in place (it is the
 # caller's scratch, see Communicator.reduce_scatter): one collective on gloo's thread instead of 2(n-1) point-to-point
 # operations whose posting blocks the main thread while another collective holds the pair
