@@ -147,10 +147,16 @@ def _run(rank, ws, case):
     return out
 
 
+def _run_all(rank, ws):
+    return {case: _run(rank, ws, case) for case in CASES}  # one launch for every case
+
+
+@pytest.mark.slow
 def test_offload_keeps_main_state_on_host_under_a_gpu_mesh():
     ref_losses, ref_params = reference_run("net", "adamw", STEPS, GLOBAL_BATCH, dtype=F64)
+    per_rank = run_ranks(_run_all, 2)
     for case in CASES:
-        results = run_ranks(_run, 2, case)
+        results = [r[case] for r in per_rank]
         for rank, r in enumerate(results):
             assert r["bad"] == [], f"{case} rank {rank}: {r['bad'][:6]}"
             assert r.get("halved", True), f"{case} rank {rank}: loading a full state dict did not reach the parameters"
