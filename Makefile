@@ -9,10 +9,12 @@ NATIVE := $(VENV)/.native-built
 
 venv: $(STAMP)
 
-# (Re)install only when setup.py is newer than the stamp.
-$(STAMP): setup.py
+# (Re)install only when setup.py or the constraints are newer than the stamp. constraints.txt
+# pins this venv's torch (the CPU wheel on the project's machines); the package itself only
+# asks for a range, so `pip install .` elsewhere keeps the torch that is there.
+$(STAMP): setup.py constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -c constraints.txt -e '.[test]'
 	@touch $(STAMP)
 
 # The optional native kernels (csrc/), built in place against the venv's torch once it is

@@ -271,13 +271,14 @@ def wire_summary(coll: dict, ws: int) -> dict:
     rank, from :func:`summarize_records`' output. Like with like: mfsdp2's gloo reduce-scatter is
     built from point-to-point sends, which the counter records as bytes *sent*; they are converted
     back to the reduce-scatter buffer they came from (x N/(N-1)), so both frameworks' totals are in
-    the buffer convention."""
+    the buffer convention. At world size 1 nothing crosses the wire (a ring sends (N-1)/N of a
+    buffer: 0), and there are no point-to-point bytes to convert."""
     bk = {k: d["bytes"] for k, d in coll["by_kind"].items()}
     calls = {k: d["calls"] for k, d in coll["by_kind"].items()}
     f = (ws - 1) / ws
     buf = {
         "all_gather": bk.get("all_gather", 0.0),
-        "reduce_scatter": bk.get("reduce_scatter", 0.0) + bk.get("p2p", 0.0) / f,
+        "reduce_scatter": bk.get("reduce_scatter", 0.0) + (bk.get("p2p", 0.0) / f if f else 0.0),
         "all_reduce": bk.get("all_reduce", 0.0),
         "broadcast": bk.get("broadcast", 0.0),
     }

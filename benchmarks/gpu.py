@@ -14,7 +14,12 @@ over ranks. Reported per framework: median step (p10/p90), tokens/s (global), MF
 ``6 * N * tokens / step_time / (peak_tflops * world_size)`` with ``N`` all parameters (no attention
 term), collectives and bytes per step (``torch.distributed`` wrapped, as in ``compare_fsdp2.py``),
 and peak allocated CUDA memory attributable to that framework (its own steady-state memory plus
-its transient peak; the other framework's resident memory is subtracted). Unless ``--no-floor``:
+its transient peak; the other framework's resident memory is subtracted), and the process's
+``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` over that framework's timed steps
+(max over ranks; process-wide, so they include the other frameworks' resident memory -- run one
+framework, ``--frameworks mfsdp2``, for its own; reserved adds the caching allocator's
+fragmentation and cache). At world size 1 no collective runs (mfsdp2 and FSDP2 both
+short-circuit them): the step measures framework overhead and memory only. Unless ``--no-floor``:
 compute-only time (unsharded bf16 model, this rank's batch, AdamW on one shard's worth of fp32
 tensors) and comm-only time (mfsdp2's recorded collectives of one step re-issued back to back).
 
@@ -202,6 +207,8 @@ def _bench(a, device, rank: int, ws: int) -> dict:
 
     times = {fw: [] for fw in a.frameworks}
     peaks = {fw: 0 for fw in a.frameworks}
+    max_alloc = {fw: 0 for fw in a.frameworks}  # torch.cuda.max_memory_allocated, process-wide
+    max_reserved = {fw: 0 for fw in a.frameworks}  # torch.cuda.max_memory_reserved, process-wide
     coll = {fw: [] for fw in a.frameworks}
     order = list(a.frameworks)
     done = {fw: 0 for fw in a.frameworks}
@@ -230,6 +237,8 @@ def _bench(a, device, rank: int, ws: int) -> dict:
                 done[fw] += 1
             if device.type == "cuda":
                 peaks[fw] = max(peaks[fw], torch.cuda.max_memory_allocated(device) - start_alloc)
+                max_alloc[fw] = max(max_alloc[fw], torch.cuda.max_memory_allocated(device))
+                max_reserved[fw] = max(max_reserved[fw], torch.cuda.max_memory_reserved(device))
         blk += 1
 
     floor_t = {"compute": [], "comm": []}
@@ -269,16 +278,15 @@ def _bench(a, device, rank: int, ws: int) -> dict:
     out = {"n_params": n_params, "tokens_per_step": tokens, "base_alloc": base}
     for fw in a.frameworks:
         others = sum(v for k, v in resident.items() if k != fw)
-        own_peak = None
+        own_peak = alloc_peak = reserved_peak = None
         if device.type == "cuda":
             own_peak = max(resident[fw], 0) + peaks[fw]
             # resident memory of the other framework is the only thing subtracted
-            own_peak_t = torch.tensor([own_peak], dtype=torch.float64, device=device)
-            dist.all_reduce(own_peak_t, op=dist.ReduceOp.MAX)
-            own_peak = int(own_peak_t.item())
+            own_peak, alloc_peak, reserved_peak = (int(v) for v in rank_max([own_peak, max_alloc[fw], max_reserved[fw]]))
         out[fw] = {"times": rank_max(times[fw]), "collectives": C.summarize_records(coll[fw], a.steps),
                    "resident_bytes": resident[fw], "other_resident_bytes": others,
-                   "peak_bytes": own_peak}
+                   "peak_bytes": own_peak, "max_memory_allocated": alloc_peak,
+                   "max_memory_reserved": reserved_peak}
     out["floor"] = {k: rank_max(v) if v else [] for k, v in floor_t.items()}
     return out
 
@@ -310,18 +318,21 @@ def _report(a, res: dict, device: torch.device, ws: int) -> None:
              "mfu": mfu, "wire_bytes_per_step": C.wire_summary(res[fw]["collectives"], ws)["buffer_bytes"],
              "collectives_per_step": res[fw]["collectives"]["collectives_per_step"],
              "peak_tensor_bytes": res[fw]["peak_bytes"],
+             "max_memory_allocated_bytes": res[fw]["max_memory_allocated"],
+             "max_memory_reserved_bytes": res[fw]["max_memory_reserved"],
              "step_over_floor": med / floor_s if floor_s else None}
         cases[fw] = d
         rows.append([fw, f"{med*1e3:.1f} ({s['p10']*1e3:.0f}-{s['p90']*1e3:.0f})", f"{tok / med:,.0f}",
                      "n/a" if mfu is None else f"{mfu*100:.1f}%", C.fmt_bytes(d["wire_bytes_per_step"]),
                      f"{d['collectives_per_step']:g}", C.fmt_bytes(d["peak_tensor_bytes"]),
+                     C.fmt_bytes(d["max_memory_allocated_bytes"]), C.fmt_bytes(d["max_memory_reserved_bytes"]),
                      "n/a" if d["step_over_floor"] is None else f"{d['step_over_floor']:.2f}"])
     print(f"\n{name} x{ws}, {a.model_size} ({n/1e9:.2f}B params), {a.config}, batch {a.batch}x{a.seq} per rank "
           f"({tok} tokens/step), peak {peak} TFLOP/s/GPU")
     if compute is not None:
         print(f"compute-only {compute*1e3:.1f} ms" + (f", comm-only {comm*1e3:.1f} ms" if comm else ""))
     C.print_table(["framework", "step ms (p10-p90)", "tokens/s", "MFU", "wire/step", "coll/step",
-                   "peak mem", "step/floor"], rows)
+                   "peak mem", "max alloc", "max reserved", "step/floor"], rows)
     ratio = None
     for base, suffix in (("fsdp2", ""), ("fsdp2_tuned", "_vs_tuned")):
         if "mfsdp2" not in cases or base not in cases:

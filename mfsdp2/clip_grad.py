@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .comm import device_ints
 from .param_group import live_groups
 
 __all__ = ["clip_grad_norm_"]
@@ -116,7 +117,7 @@ def _group_powers(g, indices: list[int], norm_type: float, want_each: bool):
     if mg.numel() == 0:
         seg = mg.new_zeros((0,))
     else:
-        seg = torch.segment_reduce(vals, reduce, lengths=torch.tensor(lengths, device=mg.device), unsafe=True)
+        seg = torch.segment_reduce(vals, reduce, lengths=device_ints(lengths, mg.device), unsafe=True)
         if reduce == "max":
             seg = seg.clamp_min(0)  # empty segments give -inf; norms are >= 0
     picked = [seg[k] if k is not None else mg.new_zeros(()) for _, k in which]

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat
+from .devices import group_backend, reduce_op_support
 
 __all__ = [
     "CommStats",
@@ -78,6 +79,17 @@ def host_tensor(values, dtype: torch.dtype) -> torch.Tensor:
     t = torch.tensor(values, dtype=dtype)
     t._mfsdp2_host_metadata = True
     return t
+
+
+def device_ints(values, device: torch.device) -> torch.Tensor:
+    """``values`` (ints the host knows: sizes, segment lengths) as an int64 tensor on ``device``.
+    On CUDA through page-locked memory with a non-blocking copy: ``torch.tensor(values,
+    device="cuda")`` copies from pageable memory and waits for the copy, a host synchronisation
+    (torch's caching host allocator keeps the page-locked block until the copy is done)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 # gloo reduce-scatters of inputs below this many bytes all-reduce the input in place (it is the
@@ -260,7 +272,10 @@ class Communicator:
         self.device = device
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        self.backend = dist.get_backend(group) if group is not None else "local"
+        # The backend that runs this group's collectives on ``device`` (a group may hold one per
+        # device type: ``init_process_group()`` gives cpu:gloo,cuda:nccl), see mfsdp2.devices.
+        self.backend = (group_backend(group, device.type) or dist.get_backend(group)) if group is not None else "local"
+        self._premul, self._native_avg = reduce_op_support(self.backend)
         cuda = device.type == "cuda"
         self.ag_stream = torch.cuda.Stream(device) if cuda else None
         self.rs_stream = torch.cuda.Stream(device) if cuda else None
@@ -278,7 +293,7 @@ class Communicator:
     def premul_sum(self, factor: float):
         """NCCL's PREMUL_SUM (scale by ``factor`` inside the reduction), or None where the backend
         has none (gloo: the caller pre-scales while packing instead)."""
-        if self.backend == "nccl" and hasattr(dist, "_make_nccl_premul_sum"):
+        if self._premul:
             return dist._make_nccl_premul_sum(factor)
         return None
 
@@ -494,7 +509,8 @@ class Communicator:
             return _DONE
         if group is self.group:
             self.verify(label, tensor.numel())
-        emulate_avg = op == dist.ReduceOp.AVG and dist.get_backend(group) != "nccl"
+        native_avg = self._native_avg if group is self.group else reduce_op_support(group_backend(group, self.device.type))[1]
+        emulate_avg = op == dist.ReduceOp.AVG and not native_avg
         wire_op = dist.ReduceOp.SUM if emulate_avg else op
         handle = self._launch(
             self.ar_stream, lambda a: dist.all_reduce(tensor, op=wire_op, group=group, async_op=a), label

@@ -1,7 +1,7 @@
 """Torch-version compatibility: the few torch APIs mfsdp2 uses that older releases lack.
 
-setup.py pins the torch mfsdp2 is developed and tested against (2.13), but the runtime also has to
-run on older installs (our CUDA test machine has torch 2.11). Two things differ:
+mfsdp2 is developed against torch 2.13 (the Makefile's venv) and supports torch >= 2.11 (setup.py;
+our CUDA test machine has torch 2.11). Two things differ:
 
 * ``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` (torch 2.13) are called
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` before (same arguments).

@@ -57,7 +57,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .placement import RowShard, chunk_rows
+from .placement import RowShard, chunk_rows, wrap_local
 
 __all__ = ["install"]
 
@@ -139,7 +139,7 @@ def _empty_row_piece(t) -> bool:
 def _stand_in(t: DTensor, value: float) -> DTensor:
     """``t``'s spec over a one-element local piece holding ``value``."""
     local = torch.full((1,) * t.dim(), value, dtype=t.dtype, device=t._local_tensor.device)
-    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return wrap_local(local, t.device_mesh, t.placements, t.shape, t.stride())  # beside t's own piece
 
 
 def _identity(op_call, args, kwargs, dtype) -> Optional[float]:

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import OffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from . import devices
 from .allocator import BucketAllocator
 from .comm import Communicator
 from .mixed_precision import MixedPrecisionPolicy
@@ -43,15 +44,14 @@ _class_cache: dict[type, type] = {}
 def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError("mfsdp2.fully_shard needs torch.distributed initialised (dist.init_process_group)")
-    device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    accelerator = "cuda" if torch.cuda.is_available() else None
+    device_type = devices.default_mesh_device_type(accelerator, dist.get_backend_config())
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
 def _communicator(mesh: DeviceMesh, dim: Optional[int]) -> Communicator:
     """The (cached) communicator of mesh dimension ``dim``; ``None``: this rank alone."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
-    )
+    device = devices.mesh_compute_device(mesh)
     group = mesh.get_group(dim) if dim is not None else None
     key = (id(group), str(device))
     if key not in _communicators:

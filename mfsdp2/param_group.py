@@ -50,7 +50,7 @@ from .grad_reduction import GradientReduction, _PendingReduce
 from .layout import BufferLayout, plan_layout
 from .mixed_precision import MixedPrecisionPolicy
 from .offload import MainMemory
-from .placement import RowShard, data_parallel_dtensor
+from .placement import RowShard, data_parallel_dtensor, wrap_local
 from .strategy import ShardingStrategy
 from .weight_watch import fingerprint, watch
 from .te import fuses_wgrad  # TE's attribute protocol; TE itself is never imported
@@ -305,7 +305,7 @@ class ParameterGroup(GradientReduction):
             return data_parallel_dtensor(local, self.mesh, placement, shape, self.config.shard_dim)
         mesh = tp_dp_mesh(spec.mesh, self.mesh)
         placements = spec.placements + (placement,)
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=spec.shape, stride=spec.stride())
+        return wrap_local(local, mesh, placements, spec.shape, spec.stride())  # offloaded: the host rows themselves
 
     def register(self, unsharded: bool, check: bool = True) -> None:
         """Point every owner module's attribute at the unsharded (compute) or sharded (DTensor) params.

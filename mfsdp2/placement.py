@@ -33,11 +33,13 @@ from typing import Optional, Sequence, Union
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.device_mesh import DeviceMesh
 
 from . import compat
+from .devices import group_backend
 
-__all__ = ["RowShard", "row_sharded_dtensor", "data_parallel_dtensor", "chunk_rows"]
+__all__ = ["RowShard", "row_sharded_dtensor", "data_parallel_dtensor", "chunk_rows", "wrap_local", "communicable"]
 
 
 class RowShard(Shard):
@@ -153,4 +155,40 @@ def data_parallel_dtensor(
     placements = [Replicate()] * mesh.ndim
     if shard_dim is not None:
         placements[shard_dim] = rows if isinstance(rows, RowShard) else RowShard(0, rows)
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
+    return wrap_local(local, mesh, placements, shape, contiguous_stride(shape))
+
+
+def wrap_local(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence, shape: Sequence[int], stride: Sequence[int]
+) -> DTensor:
+    """``local`` itself -- not a copy, wherever it lives -- as this rank's piece of a DTensor on
+    ``mesh`` with global ``shape`` / ``stride``.
+
+    Why not ``DTensor.from_local``: it moves a local tensor whose device type differs from the
+    mesh's (``local.to(mesh.device_type)``). Under CPU offload the main weights and gradients live
+    in host memory while the mesh is CUDA's: ``from_local`` made every parameter a CUDA *copy* of
+    its host shard, so the optimizer stepped the copy (its states on the GPU too) while gathers
+    read the untouched host shard -- a model that never trained. FSDP2 builds its offloaded
+    parameters the same way (``_from_local_no_grad``: the ``DTensor`` constructor over the local
+    tensor). Differentiable (``from_local``) only where it moves nothing: a local tensor that
+    records autograd history and already lives on the mesh's device type; callers here wrap
+    parameters, gradients and state-dict entries, which do not."""
+    if local.requires_grad and torch.is_grad_enabled() and (local.device.type == mesh.device_type or local.is_meta):
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride))
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=local.requires_grad)
+
+
+def communicable(t: DTensor) -> DTensor:
+    """``t``, or ``t`` moved to its mesh's device type where the mesh's groups cannot run
+    collectives on ``t``'s own device (offloaded host shards on an NCCL-only mesh): what to call
+    ``full_tensor()`` / ``redistribute`` on. Torch's state-dict gathering moves the same way
+    (``_gather_state_dict``); a group that serves the local device (gloo, ``cpu:gloo,cuda:nccl``)
+    communicates the tensor where it is."""
+    dev = t._local_tensor.device.type
+    if dev == t.device_mesh.device_type or t._local_tensor.is_meta:
+        return t
+    groups = t.device_mesh.get_all_groups()
+    if all(group_backend(g, dev) is not None for g in groups):
+        return t
+    return t.to(t.device_mesh.device_type)

@@ -6,6 +6,12 @@ Every range shows up twice: as an NVTX range (nsys on GPU) and as a ``torch.prof
 call into libnvtx without a tool attached, and ``record_function`` is only entered while a
 torch profiler is recording.
 
+Where the NVTX ranges come from (:func:`select_nvtx`, once at import): the ``nvtx`` package when
+it is installed; otherwise torch's own binding, ``torch.cuda.nvtx``, which every CUDA build of
+torch has -- many clusters (and our lent GPU machine) have no ``nvtx`` package, and the ranges
+would silently vanish from nsys there. A CPU-only torch has neither (its ``torch.cuda.nvtx``
+raises): then only the profiler ranges are emitted. :data:`nvtx_source` says which was chosen.
+
 The event log is for tests and debugging: when enabled it appends ``(kind, unit)`` tuples in
 issue order (``"ag_issue"``, ``"forward_begin"``, ``"rs_issue"``, ...), which lets a test assert
 overlap by order rather than by wall time.
@@ -22,20 +28,38 @@ Recipes
 
 from __future__ import annotations
 
+import importlib
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-try:  # nvtx is a declared dependency; stay importable without it (e.g. a bare source checkout).
-    import nvtx as _nvtx
-except ImportError:  # pragma: no cover - exercised only without the package
-    _nvtx = None
-
-__all__ = ["trace_range", "EventLog", "event_log"]
+__all__ = ["trace_range", "EventLog", "event_log", "select_nvtx", "nvtx_source"]
 
 logger = logging.getLogger(__name__)
 _profiler_enabled = torch._C._autograd._profiler_enabled
+
+
+def select_nvtx() -> tuple[Optional[str], Optional[Callable[[str], object]], Optional[Callable[[], object]]]:
+    """``(source, push, pop)`` of the NVTX binding to use: the ``nvtx`` package, else
+    ``torch.cuda.nvtx`` where it works (a CUDA build; probed with one empty range), else
+    ``(None, None, None)``."""
+    try:
+        pkg = importlib.import_module("nvtx")
+        return "nvtx", pkg.push_range, pkg.pop_range
+    except ImportError:
+        pass
+    cuda_nvtx = torch.cuda.nvtx
+    try:
+        cuda_nvtx.range_push("mfsdp2")
+        cuda_nvtx.range_pop()
+    except (RuntimeError, AttributeError):  # a CPU-only torch: "NVTX functions not installed"
+        return None, None, None
+    return "torch.cuda.nvtx", cuda_nvtx.range_push, cuda_nvtx.range_pop
+
+
+#: Which NVTX binding mfsdp2's ranges go to: ``"nvtx"``, ``"torch.cuda.nvtx"`` or ``None``.
+nvtx_source, _nvtx_push, _nvtx_pop = select_nvtx()
 
 
 class trace_range:
@@ -48,8 +72,8 @@ class trace_range:
         self._rf: Optional[torch.autograd.profiler.record_function] = None
 
     def __enter__(self) -> "trace_range":
-        if _nvtx is not None:
-            _nvtx.push_range(self.name)
+        if _nvtx_push is not None:
+            _nvtx_push(self.name)
         if _profiler_enabled():
             self._rf = torch.autograd.profiler.record_function(self.name)
             self._rf.__enter__()
@@ -59,8 +83,8 @@ class trace_range:
         if self._rf is not None:
             self._rf.__exit__(*exc)
             self._rf = None
-        if _nvtx is not None:
-            _nvtx.pop_range()
+        if _nvtx_pop is not None:
+            _nvtx_pop()
 
 
 class EventLog:

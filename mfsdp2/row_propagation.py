@@ -70,7 +70,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
 
-from .placement import RowShard, chunk_rows
+from .placement import RowShard, chunk_rows, wrap_local
 
 try:
     from torch.distributed._functional_collectives import _are_we_tracing
@@ -409,9 +409,7 @@ def _wrap_distribute_tensor(plain_distribute):
         for d, p in enumerate(placements):
             if isinstance(p, RowShard) and coord is not None:
                 local = p._replicate_to_shard(local, device_mesh, d, coord[d])
-        out = DTensor.from_local(
-            local.detach(), device_mesh, placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
-        )
+        out = wrap_local(local.detach(), device_mesh, placements, tensor.shape, tensor.stride())
         return out.requires_grad_(tensor.requires_grad)
 
     distribute_tensor.__doc__ = plain_distribute.__doc__

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from .placement import contiguous_stride
+from .placement import contiguous_stride, wrap_local
 
 __all__ = ["TPSpec", "tp_spec_of", "tp_dp_mesh", "tp_dtensor", "local_grad"]
 
@@ -103,7 +103,7 @@ def tp_dp_mesh(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh:
 
 def tp_dtensor(local: torch.Tensor, spec: TPSpec) -> DTensor:
     """``local`` (a gathered TP-local view) as the TP DTensor the module's forward expects."""
-    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride())
+    return wrap_local(local, spec.mesh, spec.placements, spec.shape, spec.stride())
 
 
 def local_grad(grad: torch.Tensor, spec: Optional[TPSpec]) -> torch.Tensor:

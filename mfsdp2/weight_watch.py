@@ -27,7 +27,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .comm import host_tensor
+from .comm import device_ints, host_tensor
 
 __all__ = ["agree_on_gathers", "fingerprint", "fingerprints", "watch"]
 
@@ -94,14 +94,20 @@ def fingerprints(ts: list) -> list:
     :func:`fingerprint` counts it) are ``sum_p (p // COLS + 1) w_p`` and ``sum_p (p % COLS + 1) w_p``
     over each tensor's word positions ``p``: sums and products modulo 2^32 are a ring, so grouping
     the terms differently gives the same int32 result. Tensors whose bytes are not int32 words,
-    or that live on different devices, take :func:`fingerprint` one by one."""
+    or that live on different devices, take :func:`fingerprint` one by one.
+
+    No host synchronisation on CUDA: the word counts are host facts, sent to the device from
+    page-locked memory without waiting (:func:`~mfsdp2.comm.device_ints`), and ``repeat_interleave`` is told
+    its output size (without it, it reads the counts' sum back to size its output). So the
+    computation needs no device data on the host: it runs on the meta device as well."""
     words = [_words(t) for t in ts]
     if len(ts) < 2 or any(w.dtype != torch.int32 for w in words) or len({w.device for w in words}) > 1:
         return [fingerprint(t) for t in ts]
     device = words[0].device
     i32 = torch.int32
-    counts = torch.tensor([w.numel() for w in words], dtype=torch.int64, device=device)
-    seg = torch.repeat_interleave(torch.arange(len(ts), device=device), counts)
+    sizes = [w.numel() for w in words]
+    counts = device_ints(sizes, device)
+    seg = torch.repeat_interleave(torch.arange(len(ts), device=device), counts, output_size=sum(sizes))
     starts = torch.cumsum(counts, 0) - counts
     pos = (torch.arange(seg.numel(), device=device) - starts[seg]).to(i32)
     flat = torch.cat(words)

@@ -439,3 +439,19 @@ def test_batched_fingerprints_equal_the_per_tensor_ones():
     flat = torch.randn(5000, generator=g)
     views = [flat[0:1000], flat[1000:3100], flat[3100:5000]]
     assert all(torch.equal(a, fingerprint(v)) for a, v in zip(fingerprints(views), views))
+
+
+def test_batched_fingerprints_need_no_device_data_on_the_host():
+    """The batched fingerprint sizes everything from host facts: it runs on the meta device,
+    where any step that reads device data back to the host (``repeat_interleave`` without
+    ``output_size`` sums its counts on the host: a CUDA synchronisation per bucket) raises. The
+    counts reach the device as ``device_ints`` makes them: on CUDA a non-blocking copy from
+    page-locked memory, elsewhere the same int64 values."""
+    from mfsdp2.comm import device_ints
+    from mfsdp2.weight_watch import fingerprints
+
+    ts = [torch.empty(n, device="meta") for n in (7, 1024, 3000, 5000)]
+    got = fingerprints(ts)
+    assert [(f.device.type, f.dtype, tuple(f.shape)) for f in got] == [("meta", torch.int32, (3,))] * len(ts)
+    counts = device_ints([3, 0, 5], torch.device("cpu"))
+    assert counts.dtype == torch.int64 and counts.tolist() == [3, 0, 5]

@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import compat
-from ..placement import RowShard, row_sharded_dtensor
+from ..placement import RowShard, communicable, row_sharded_dtensor, wrap_local
 from ..state import unit_state
 
 __all__ = [
@@ -101,8 +101,8 @@ def full_of(t: Any) -> Any:
             return t.to_local()
         rows = global_rows(t)
         if rows is not None:
-            return gather_rows(t.to_local(), rows, t.device_mesh.get_group())
-    return t.full_tensor()
+            return gather_rows(communicable(t).to_local(), rows, t.device_mesh.get_group())
+    return communicable(t).full_tensor()
 
 
 def row_range(rows: Sequence[int], rank: int) -> tuple[int, int]:
@@ -133,7 +133,7 @@ def relabel_rows(local: torch.Tensor, like: DTensor, rows: Sequence[int]) -> DTe
     for the key to exist in the checkpoint: rank 0 does).
     """
     shape = (sum(rows),) + tuple(local.shape[1:])
-    out = row_sharded_dtensor(local, like.device_mesh, rows, shape)
+    out = row_sharded_dtensor(local, like.device_mesh, rows, shape)  # wraps ``local`` itself, never moves it
     if local.shape[0] == 0 and (out.numel() > 0 or mesh_rank(like) != 0):
         mark_write_nothing(out)
     return out
@@ -303,9 +303,9 @@ def gather_tree(tree: Any, group, *, cpu_offload: bool, rank0_only: bool) -> Any
     def full(path, v):
         v = full_of(v)
         if isinstance(v, torch.Tensor):
-            v = v.detach().clone()  # a snapshot: plain values (``step``) would alias live state
-            if cpu_offload:
-                v = v.cpu()
+            # A snapshot (plain values such as ``step`` would alias live state), made on the host
+            # directly under cpu_offload.
+            v = v.detach().to("cpu", copy=True) if cpu_offload else v.detach().clone()
         return v
 
     out = map_tree(tree, full)
@@ -320,8 +320,9 @@ def offload_tree(tree: Any) -> Any:
         if isinstance(v, DTensor):
             if v.to_local().device.type == "cpu":
                 return v
-            moved = DTensor.from_local(v.to_local().cpu(), v.device_mesh, v.placements, run_check=False,
-                                       shape=v.shape, stride=v.stride())
+            # The host copy wrapped as is (from_local would move it back to the mesh's device:
+            # a second device copy of the whole state dict, and no offload).
+            moved = wrap_local(v.to_local().cpu(), v.device_mesh, v.placements, v.shape, v.stride())
             if hasattr(v._local_tensor, "__create_write_items__"):
                 mark_write_nothing(moved)
             return moved
@@ -374,6 +375,8 @@ def broadcast_tree(tree: Any, group, convert: Callable[[tuple, torch.Tensor], An
 def full_to_rows(full: torch.Tensor, sp: ShardedParam, dtype: Optional[torch.dtype] = None) -> DTensor:
     """This rank's rows of a full tensor shaped like ``sp``'s parameter, as an owned RowShard DTensor."""
     s, e = sp.start_end
-    local = full[s:e].to(dtype=dtype or full.dtype).clone()
+    # Beside the parameter's own rows: the compute device, or host memory under CPU offload.
+    home = sp.param._local_tensor.device
+    local = full[s:e].to(device=full.device if home.type == "meta" else home, dtype=dtype or full.dtype, copy=True)
     return relabel_rows(local, sp.param, sp.rows)
 

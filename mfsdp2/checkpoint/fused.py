@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..placement import chunk_rows
+from ..placement import chunk_rows, wrap_local
 from ._common import full_of, global_rows, mesh_rank, relabel_rows, row_range
 
 __all__ = ["split_fused", "join_fused", "split_swiglu", "join_swiglu"]
@@ -70,7 +70,7 @@ def _split_value(v: Any, sizes: Sequence[int]) -> list[Any]:
     if rows is None:  # Replicate: the local tensor is the full value
         mesh, pl = v.device_mesh, v.placements
         return [
-            DTensor.from_local(part, mesh, pl, run_check=False)
+            wrap_local(part, mesh, pl, part.shape, part.stride())
             for part in torch.split(v.to_local(), list(sizes), dim=0)
         ]
     rank = mesh_rank(v)
@@ -116,7 +116,8 @@ def _join_value(vs: Sequence[Any], rows: Optional[Sequence[int]]) -> Any:
         raise TypeError("join_fused: cannot mix DTensor and plain tensor parts")
     if all(global_rows(v) is None for v in vs):  # all Replicate
         mesh, pl = vs[0].device_mesh, vs[0].placements
-        return DTensor.from_local(torch.cat([v.to_local() for v in vs]), mesh, pl, run_check=False)
+        joined = torch.cat([v.to_local() for v in vs])
+        return wrap_local(joined, mesh, pl, joined.shape, joined.stride())
     fused_rows = _compatible_rows(vs)
     if fused_rows is not None and (rows is None or tuple(rows) == fused_rows):
         return relabel_rows(torch.cat([v.to_local() for v in vs]), vs[0], fused_rows)

@@ -41,7 +41,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..placement import RowShard
+from ..placement import RowShard, communicable, wrap_local
 from ._common import check_loadable, full_of, global_rows, mark_write_nothing, relabel_rows, row_range
 
 __all__ = ["register_state_dict_hooks", "mark_empty_pieces"]
@@ -82,7 +82,7 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, loca
             state_dict[key] = dp
         elif _generic(dp):
             local = dp._local_tensor.detach()
-            out = DTensor.from_local(local, dp.device_mesh, dp.placements, run_check=False, shape=dp.shape, stride=dp.stride())
+            out = wrap_local(local, dp.device_mesh, dp.placements, dp.shape, dp.stride())  # offloaded: stays on the host
             if local.numel() == 0 and dp.numel() > 0:
                 mark_write_nothing(out)
             state_dict[key] = out
@@ -105,7 +105,9 @@ def _write_generic(key: str, dp: DTensor, src, state_dict: dict) -> None:
                 dp._local_tensor.copy_(src.to_local())
             state_dict[key] = dp
             return
-        src = src.full_tensor()  # same decision on every rank: placements are global metadata
+        # Same decision on every rank: placements are global metadata. A host-memory source
+        # (an offloaded model's state dict) is gathered where its mesh's groups can move it.
+        src = communicable(src).full_tensor()
     shape, offset = compute_local_shape_and_global_offset(dp.shape, dp.device_mesh, dp.placements)
     piece = src
     for d, (o, n) in enumerate(zip(offset, shape)):
