@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .param_adoption import adopt_replaced, check_device, keeps_dtype, rebuilt, same_memory, settle, stage
+from .param_adoption import adopt_replaced, check_device, keeps_dtype, put_grads, rebuilt, same_memory, settle, stage
 from .state import ShardState, TrainingState
 
 __all__ = ["apply_to_unit"]
@@ -149,25 +149,12 @@ def _adopt(state, g, values: list[torch.Tensor], grads: list) -> "object":
     target.needs_init = False
     target.mark_changed()  # the values were written behind the version counters: re-gather
     if target is not g:
-        _move_grads(g, target, grads)
-    elif g.main_grad is not None:
+        # Converted gradients go into the new main gradient when the old group had one (from its
+        # allocator), else stay on their parameters, as the user's own gradients would.
+        put_grads(target, {i: gr for i, gr in enumerate(grads) if gr is not None}, g.drop_main_grad())
+    else:
         for i, (dp, gr) in enumerate(zip(g.dist_params, grads)):
             if gr is not None and dp.grad is not None and not same_memory(dp.grad._local_tensor, gr):
-                dp.grad._local_tensor.copy_(gr)
+                dp.grad._local_tensor.copy_(gr.reshape(dp.grad._local_tensor.shape))
     logger.debug("mfsdp2: %s adopted converted parameters (%s on %s)", target.name, dtype, device)
     return target
-
-
-def _move_grads(old, new, grads: list) -> None:
-    """Converted gradients go into ``new``'s main gradient; ``old``'s is given back."""
-    had = old.main_grad is not None
-    alloc = old.drop_main_grad()  # None for an offloaded group's host main grad
-    if not had or all(gr is None for gr in grads):
-        return
-    new._ensure_main_grad(alloc, zero=True)
-    for i, (dp, gr) in enumerate(zip(new.dist_params, grads)):
-        if gr is None or new.layout.piece(i, new.rank).numel == 0:
-            continue
-        local = new.weights.piece_view(new.main_grad, i)
-        local.copy_(gr.reshape(local.shape))
-        dp.grad = new.grad_view(local, i, dp.shape)

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from .param_group import ParameterGroup, live_groups, swap_param
 
-__all__ = ["stage", "adopt_replaced", "settle", "settle_all", "prepare", "rebuilt", "same_memory", "check_device"]
+__all__ = ["stage", "adopt_replaced", "settle", "settle_all", "prepare", "rebuilt", "put_grads", "same_memory", "check_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -243,17 +243,18 @@ def _copy_in(target: ParameterGroup, i: int, value: DTensor) -> None:
 
 
 @torch.no_grad()
-def _put_grads(g: ParameterGroup, grads: dict, alloc) -> None:
-    """Gradients of folded-in parameters: into the main gradient when the group has one (or had
-    one before a rebuild, whose allocator ``alloc`` serves the new one), else kept on the
-    parameter as a gradient of its own, which the next reduction adds to (as a user-assigned one)."""
+def put_grads(g: ParameterGroup, grads: dict, alloc) -> None:
+    """Gradients (this rank's rows: plain, or DTensors of the group's placement) of parameters
+    ``g`` took in: into the main gradient when the group has one (or had one before a rebuild,
+    whose allocator ``alloc`` serves the new one), else kept on the parameter as a gradient of
+    its own, which the next reduction adds to (as a user-assigned one)."""
     if not grads:
         return
     if g.main_grad is None and alloc is not None:
         g._ensure_main_grad(alloc, zero=True)
     for i, gr in grads.items():
         dp = g.dist_params[i]
-        local = gr._local_tensor
+        local = gr._local_tensor if isinstance(gr, DTensor) else gr
         if g.main_grad is not None:
             piece = g.weights.piece_view(g.main_grad, i)
             piece.copy_(local.reshape(piece.shape))
@@ -299,7 +300,7 @@ def settle(state, g: ParameterGroup) -> ParameterGroup:
             _copy_in(target, i, values[i])
         target.needs_init = False
         target.mark_changed()
-        _put_grads(target, grads, alloc)
+        put_grads(target, grads, alloc)
     from .checkpoint.model import mark_empty_pieces
 
     mark_empty_pieces(target)

@@ -140,11 +140,13 @@ def _train(model, rank: int, ws: int, before_first_forward=None) -> dict:
     return {"losses": losses, "params": {k: full(p) for k, p in model.named_parameters()}, "grads": grads}
 
 
-def _reference_run(values: dict) -> dict:
+def _reference_run(values: dict, grads: dict | None = None) -> dict:
     model = _titan()
     with torch.no_grad():
         for k, p in model.named_parameters():
             p.copy_(values[k])
+            if grads is not None:
+                p.grad = grads[k].to(p.dtype)
     opt = make_opt("adamw", model.parameters())
     losses, grads = [], {}
     for s in range(STEPS):
@@ -239,6 +241,48 @@ def _to_empty_in_parts(rt, mesh, ref, rank, ws):
     return m, {"refused": refused}
 
 
+def _part_to_empty_then_materialize(rt, mesh, ref, rank, ws):
+    m = _wrap(_titan(device="meta"), _shard_fn(rt, mesh))
+    for mod in (m.norm, m.blocks[1]):
+        mod.to_empty(device="cpu")
+    _copy_init(m, ref, skip=("inp.", "blocks.0.", "head."))  # the head, the norm's partner, is still on meta
+    if rt == "fsdp2":
+        for mod in (m.inp, m.blocks[0], m.head):
+            mod.to_empty(device="cpu")
+        _copy_init(m, ref, skip=("norm.", "blocks.1."))
+        return m, {}
+    import mfsdp2
+
+    names = {id(mod): n for n, mod in m.named_modules()}
+
+    def init(mod):  # called for the modules whose parameters are still on meta only
+        prefix = names[id(mod)] + "." if names[id(mod)] else ""
+        assert not prefix.startswith(("norm.", "blocks.1.")), prefix
+        for k, p in mod.named_parameters(recurse=False):
+            p.copy_(ref[prefix + k])
+
+    mfsdp2.materialize(m, init_fn=init)
+    return m, {}
+
+
+def _initial_grads() -> dict:
+    """Gradients present when the model is converted (float32 values, exact in float64)."""
+    g = torch.Generator().manual_seed(7)
+    return {k: torch.randn(v.shape, generator=g) for k, v in _reference_values().items()}
+
+
+def _double_by_module_with_grads(rt, mesh, ref, rank, ws):
+    from torch.distributed.tensor import distribute_tensor
+
+    m = _wrap(_titan(dtype=torch.float32), _shard_fn(rt, mesh))
+    grads = _initial_grads()
+    for k, p in m.named_parameters():  # assigned before the first forward: FSDP2 fixes its dtypes there
+        p.grad = distribute_tensor(grads[k], p.device_mesh, p.placements)
+    for mod in (m.head, m.blocks[0], m.inp, m.norm, m.blocks[1]):
+        mod.double()  # the gradients are converted with their parameters; the first backward adds to them
+    return m, {"grads_dtype": sorted({str(p.grad.dtype) for p in m.parameters()})}
+
+
 def _float_roundtrip(rt, mesh, ref, rank, ws):
     m = _wrap(_titan(), _shard_fn(rt, mesh))
     m.norm.float()  # one module of the [norm, head] unit
@@ -276,6 +320,8 @@ FLOWS = {
     "meta_float64_materialize": _meta_float64_materialize,
     "to_empty_load_state_dict": _to_empty_load_state_dict,
     "to_empty_in_parts": _to_empty_in_parts,
+    "part_to_empty_then_materialize": _part_to_empty_then_materialize,
+    "double_by_module_with_grads": _double_by_module_with_grads,
     "float_roundtrip": _float_roundtrip,
     "replace_all": _replace_all,
     "unshard_first": _unshard_first,
@@ -370,10 +416,33 @@ def _refusals(rt, mesh, rank, ws):
     return out
 
 
+def _misc(rt, mesh, rank, ws):
+    """A unit of several modules kept gathered after forward: its state dict is DTensors of the
+    main weights (it gave the gathered plain tensors). A bf16 meta model after ``to_empty``
+    computes in bf16 (it was rebuilt as an fp32 model, from its fp32 main weights' dtype)."""
+    out = {}
+    shard = _shard_fn(rt, mesh)
+    m = _titan()
+    for b in m.blocks:
+        shard(b)
+    shard([m.norm, m.head], reshard_after_forward=False)
+    shard(m)
+    x, _ = batch(0, GB, D_IN, dtype=F64)
+    m(x[:2])
+    sd = m.state_dict()
+    out["gathered_state_dict"] = {k: (type(v).__name__, full(v)) for k, v in sd.items()}
+    m = _wrap(_titan(device="meta", dtype=torch.bfloat16), shard)
+    m.to_empty(device="cpu")
+    _copy_init(m, {k: v.to(torch.bfloat16) for k, v in _reference_values().items()})
+    y = m(x[:2].to(torch.bfloat16))
+    out["bf16_output"] = (str(y.dtype), y.detach().float())
+    return out
+
+
 def _run(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     ref = _reference_values()
-    out = {"flows": {}, "weight_norm": {}, "refusals": {}}
+    out = {"flows": {}, "weight_norm": {}, "refusals": {}, "misc": {}}
     for flow, make in FLOWS.items():
         for rt in RUNTIMES:
             try:
@@ -384,7 +453,7 @@ def _run(rank, ws):
 
                 out["flows"][(flow, rt)] = {"error": traceback.format_exc()}
     for rt in RUNTIMES:
-        for key, case in (("weight_norm", _weight_norm_case), ("refusals", _refusals)):
+        for key, case in (("weight_norm", _weight_norm_case), ("refusals", _refusals), ("misc", _misc)):
             try:
                 out[key][rt] = case(rt, mesh, rank, ws)
             except Exception:  # noqa: BLE001
@@ -410,14 +479,14 @@ def _expected_values(flow: str, ref: dict) -> dict:
     return ref
 
 
-def _assert_run(got: dict, want: dict, where: str) -> None:
+def _assert_run(got: dict, want: dict, where: str, rel: float) -> None:
     assert "error" not in got, f"{where}:\n{got.get('error')}"
     for s, (a, b) in enumerate(zip(got["losses"], want["losses"])):
-        assert abs(a - b) <= REL_F64 * abs(b), f"{where} step {s}: loss {a} vs {b}"
+        assert abs(a - b) <= rel * abs(b), f"{where} step {s}: loss {a} vs {b}"
     assert list(got["params"]) == list(want["params"]), where
     for k in want["params"]:
-        assert_close_rel(got["params"][k], want["params"][k], f"{where} param {k}", REL_F64)
-        assert_close_rel(got["grads"][k], want["grads"][k], f"{where} grad {k}", REL_F64)
+        assert_close_rel(got["params"][k], want["params"][k], f"{where} param {k}", rel)
+        assert_close_rel(got["grads"][k], want["grads"][k], f"{where} grad {k}", rel)
 
 
 @pytest.mark.slow
@@ -425,12 +494,16 @@ def _assert_run(got: dict, want: dict, where: str) -> None:
 @pytest.mark.parametrize("flow", list(FLOWS))
 def test_flow_trains_like_fsdp2_and_the_unsharded_model(ws, flow):
     res = _results(ws)["flows"]
-    reference = _reference_run(_expected_values(flow, _reference_values()))
+    grads = _initial_grads() if flow == "double_by_module_with_grads" else None
+    reference = _reference_run(_expected_values(flow, _reference_values()), grads)
+    rel = REL_F64
     fsdp2 = res[(flow, "fsdp2")]
-    _assert_run(fsdp2, reference, f"FSDP2 {flow} (ws {ws})")
+    _assert_run(fsdp2, reference, f"FSDP2 {flow} (ws {ws})", rel)
     for rt in ("zero3", "zero2"):
-        _assert_run(res[(flow, rt)], fsdp2, f"mfsdp2 {rt} {flow} vs FSDP2 (ws {ws})")
-        _assert_run(res[(flow, rt)], reference, f"mfsdp2 {rt} {flow} vs unsharded (ws {ws})")
+        _assert_run(res[(flow, rt)], fsdp2, f"mfsdp2 {rt} {flow} vs FSDP2 (ws {ws})", REL_F64)
+        _assert_run(res[(flow, rt)], reference, f"mfsdp2 {rt} {flow} vs unsharded (ws {ws})", rel)
+        if "grads_dtype" in fsdp2:
+            assert res[(flow, rt)]["grads_dtype"] == fsdp2["grads_dtype"] == ["torch.float64"], res[(flow, rt)]["grads_dtype"]
 
 
 @pytest.mark.slow
@@ -482,3 +555,21 @@ def test_what_fsdp2_refuses_before_the_first_forward_is_refused_with_a_message(w
         kind, msg = ours["unshard_meta"]
         assert kind == "RuntimeError" and "['norm.weight', 'norm.bias', 'fc1.weight'" in msg, msg
         assert "are still on the meta device" in msg, msg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ws", [1, 2])
+def test_gathered_unit_of_several_modules_saves_its_main_weights_and_bf16_to_empty_stays_bf16(ws):
+    res = _results(ws)["misc"]
+    for rt, got in res.items():
+        assert "error" not in got, f"{rt}:\n{got.get('error')}"
+    theirs = res["fsdp2"]
+    ref = _reference_values()
+    for rt in ("zero3", "zero2"):
+        ours = res[rt]
+        assert list(ours["gathered_state_dict"]) == list(theirs["gathered_state_dict"])
+        for k, (kind, v) in ours["gathered_state_dict"].items():
+            assert kind == theirs["gathered_state_dict"][k][0] == "DTensor", (rt, k, kind)
+            assert torch.equal(v, ref[k]), (rt, k)
+        assert ours["bf16_output"][0] == theirs["bf16_output"][0] == "torch.bfloat16", (rt, ours["bf16_output"][0])
+        assert torch.equal(ours["bf16_output"][1], theirs["bf16_output"][1]), rt
