@@ -16,10 +16,11 @@ registered as a *plain* parameter over this rank's rows (the local tensor, and t
 group adopts the results:
 
 * same dtype (``to_empty`` on the mesh's device, ``.to(same)``): the converted rows are copied
-  into the main-weight shard (a no-op when ``fn`` returned the same memory). The dtype the
-  parameters show -- the main weights', fp32 for a bf16 model by default -- counts as the same:
+  into the main-weight shard (a no-op when ``fn`` returned the same memory). Which dtype the
+  conversion asks for is what ``fn`` makes of the model's own dtype (probed on an empty tensor),
+  not of the dtype the parameters show -- the main weights', fp32 for a bf16 model by default:
   ``to_empty`` of a bf16 model keeps a bf16 model (it used to rebuild it as an fp32 one, which
-  then computed in fp32);
+  then computed in fp32), while ``.float()`` of it still makes an fp32 one;
 * new dtype (``model.to(torch.float64)``, ``.half()``): the group is rebuilt for the new dtype on
   the *same* layout (so every rank keeps its rows; the layout's alignment was planned for the old
   dtype, which only matters for speed), the converted rows are copied in, and each DTensor
@@ -46,7 +47,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .param_adoption import adopt_replaced, check_device, keeps_dtype, put_grads, rebuilt, same_memory, settle, stage
+from .param_adoption import adopt_replaced, asked_dtype, check_device, probe_dtype, put_grads, rebuilt, same_memory, settle, stage
 from .state import ShardState, TrainingState
 
 __all__ = ["apply_to_unit"]
@@ -105,16 +106,22 @@ def apply_to_unit(module: nn.Module, fn: Callable, recurse: bool, super_apply: C
     per_group: dict[int, list] = {}
     for (g, i, _), p in zip(touched, converted):
         per_group.setdefault(id(g), []).append((i, p.detach(), p.grad.detach() if p.grad is not None else None))
+    probes: dict = {}
     for gi, g in enumerate(list(state.groups)):
         items = per_group.get(id(g))
         if not items:
             continue
+        # The original dtype the conversion asks for: what fn makes of it (the parameters show
+        # the main weights' dtype, which may not be the model's).
+        if g.orig_dtype not in probes:
+            probes[g.orig_dtype] = probe_dtype(fn, g.orig_dtype)
+        dtype = probes[g.orig_dtype] or asked_dtype(g, items[0][1].dtype)
         if len(items) == len(g.dist_params) and not g.pending:
             items.sort(key=lambda t: t[0])
-            new = _adopt(state, g, [v for _, v, _ in items], [gr for _, _, gr in items])
+            new = _adopt(state, g, [v for _, v, _ in items], [gr for _, _, gr in items], dtype)
         else:  # part of the group (one module of several, or a sub-module only)
             for i, v, gr in items:
-                stage(state, g, i, v, gr)
+                stage(state, g, i, v, gr, dtype)
             new = settle(state, g)
         if new is not g:
             state.groups[gi] = new
@@ -124,15 +131,15 @@ def apply_to_unit(module: nn.Module, fn: Callable, recurse: bool, super_apply: C
 
 
 @torch.no_grad()
-def _adopt(state, g, values: list[torch.Tensor], grads: list) -> "object":
+def _adopt(state, g, values: list[torch.Tensor], grads: list, dtype: torch.dtype) -> "object":
     """Make group ``g`` hold ``values`` (this rank's converted rows of every one of its
-    parameters); returns the group to keep."""
+    parameters), as parameters of original dtype ``dtype``; returns the group to keep."""
     dtypes = {v.dtype for v in values}
     devices = {v.device for v in values}
     if len(dtypes) != 1 or len(devices) != 1:
         raise RuntimeError(f"mfsdp2: the conversion gave the parameters of {g.name} different dtypes/devices {dtypes} {devices}")
-    dtype, device = dtypes.pop(), devices.pop()
-    same = keeps_dtype(g, dtype)
+    device = devices.pop()
+    same = dtype == g.orig_dtype
     if device.type == "meta":
         if g.allocated:
             raise ValueError(f"mfsdp2: cannot move the shards of {g.name} to the meta device after fully_shard")

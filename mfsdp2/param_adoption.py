@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from .param_group import ParameterGroup, live_groups, swap_param
 
-__all__ = ["stage", "adopt_replaced", "settle", "settle_all", "prepare", "rebuilt", "put_grads", "same_memory", "check_device"]
+__all__ = ["stage", "adopt_replaced", "settle", "settle_all", "prepare", "rebuilt", "put_grads", "asked_dtype", "probe_dtype", "same_memory", "check_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +51,23 @@ _MISSING = object()
 
 
 # -- values of converted parameters -----------------------------------------------------------
-def keeps_dtype(g: ParameterGroup, dtype: torch.dtype) -> bool:
-    """Whether a value of ``dtype`` leaves ``g``'s parameters in their dtype: the original one, or
-    the main-weight dtype the optimizer-facing parameters show (a bf16 model's fp32 main weights:
-    ``to_empty`` keeps fp32, which must not turn the model into an fp32 one)."""
-    return dtype == g.orig_dtype or dtype == g.main_dtype
+def asked_dtype(g: ParameterGroup, dtype: torch.dtype) -> torch.dtype:
+    """The original dtype a value of ``dtype`` asks ``g`` for when nothing else says (a replaced
+    parameter, a conversion whose function cannot be probed): the group's own when ``dtype`` is
+    the original one or the main-weight dtype the optimizer-facing parameters show (a bf16
+    model's fp32 main weights: ``to_empty`` keeps fp32, which must not make it an fp32 model)."""
+    return g.orig_dtype if dtype in (g.orig_dtype, g.main_dtype) else dtype
+
+
+def probe_dtype(fn, dtype: torch.dtype) -> Optional[torch.dtype]:
+    """What ``_apply``'s ``fn`` makes of a tensor of ``dtype`` (an empty CPU one): ``.float()`` of
+    a bf16 model asks for float32 although its parameters show float32 main weights already, and
+    ``to_empty`` keeps bf16. None when ``fn`` does not take such a tensor."""
+    try:
+        out = fn(torch.empty(0, dtype=dtype, device="cpu"))
+    except Exception:  # noqa: BLE001 - any failure only means "unknown"
+        return None
+    return out.dtype if isinstance(out, torch.Tensor) else None
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -79,15 +91,16 @@ def _meta_refused(g: ParameterGroup) -> ValueError:
 
 
 @torch.no_grad()
-def stage(state, g: ParameterGroup, i: int, value: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
-    """Parameter ``i`` of ``g`` was converted to ``value`` (this rank's rows, a plain tensor) and
-    its gradient to ``grad``: written into the group when it fits there, else left pending."""
+def stage(state, g: ParameterGroup, i: int, value: torch.Tensor, grad: Optional[torch.Tensor], dtype: torch.dtype) -> None:
+    """Parameter ``i`` of ``g`` was converted to ``value`` (this rank's rows, a plain tensor), its
+    gradient to ``grad``, and asks for original dtype ``dtype``: written into the group when it
+    fits there, else left pending."""
     dp = g.dist_params[i]
     if value.is_meta and g.allocated:
         raise _meta_refused(g)
     if not value.is_meta:
         check_device(state, g, value.device)
-    if i not in g.pending and keeps_dtype(g, value.dtype) and value.is_meta != g.allocated:
+    if i not in g.pending and dtype == g.orig_dtype and value.is_meta != g.allocated:
         if value.is_meta:
             return  # still on meta, as the rest of its group
         piece = g.weights.piece_view(g.main_weight, i)
@@ -100,7 +113,7 @@ def stage(state, g: ParameterGroup, i: int, value: torch.Tensor, grad: Optional[
     swap_param(dp, nn.Parameter(g.as_dtensor(value, i, dp.shape), requires_grad=dp.requires_grad))
     if grad is not None:
         dp.grad = g.as_dtensor(grad.to(value.dtype), i, dp.shape)  # the user's kind of gradient
-    g.pending.add(i)
+    g.pending[i] = dtype
     state.unsettled = True
 
 
@@ -194,7 +207,7 @@ def adopt_replaced(state) -> None:
             g.dist_params[i] = new
             for o in owners:
                 o.owner._parameters[o.attr] = new
-            g.pending.add(i)
+            g.pending[i] = asked_dtype(g, new.dtype)
             state.unsettled = True
             logger.debug("mfsdp2: %s takes the parameter assigned to %r", g.name, info.fqn)
 
@@ -219,17 +232,12 @@ def _take_converted(state, g: ParameterGroup, i: int) -> None:
         raise _meta_refused(g)
     if not dp.is_meta:
         check_device(state, g, dp.device)
-    g.pending.add(i)
+    g.pending[i] = asked_dtype(g, dp.dtype)
     state.unsettled = True
     logger.debug("mfsdp2: %s takes %r, converted through a module that is no unit", g.name, fqn)
 
 
 # -- folding pending values in ----------------------------------------------------------------
-def _kind(g: ParameterGroup, t: torch.Tensor) -> tuple[torch.dtype, bool]:
-    """(the group's original dtype this value asks for, on meta)."""
-    return (g.orig_dtype if keeps_dtype(g, t.dtype) else t.dtype), t.is_meta
-
-
 @torch.no_grad()
 def _copy_in(target: ParameterGroup, i: int, value: DTensor) -> None:
     """``value`` (parameter ``i``'s pending value, any placement ``copy_`` reads) into ``target``'s rows."""
@@ -269,7 +277,7 @@ def settle(state, g: ParameterGroup) -> ParameterGroup:
     if not g.pending:
         return g
     idx = sorted(g.pending)
-    kinds = {_kind(g, g.dist_params[i]) for i in idx}
+    kinds = {(g.pending[i], g.dist_params[i].is_meta) for i in idx}
     if len(idx) < len(g.dist_params):
         kinds.add((g.orig_dtype, not g.allocated))
     if len(kinds) != 1:
@@ -337,7 +345,7 @@ def prepare(state) -> None:
         )
     for g in state.groups:
         if g.pending:
-            dtypes = {g.infos[i][0].fqn: str(dp.dtype).replace("torch.", "") for i, dp in enumerate(g.dist_params)}
+            dtypes = {g.infos[i][0].fqn: str(g.pending.get(i, g.orig_dtype)).replace("torch.", "") for i in range(len(g.dist_params))}
             raise RuntimeError(
                 f"mfsdp2: the parameters of {g.name} have different dtypes after some of them were converted or "
                 f"replaced ({dtypes}); a group of a unit's parameters keeps one dtype (FSDP2 refuses this too: "

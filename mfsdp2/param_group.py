@@ -184,8 +184,9 @@ class ParameterGroup(GradientReduction):
         self.needs_init = params[0].is_meta
         self._build_buffers(torch.device("meta") if self.needs_init else device)
         # Parameters whose object holds a value of its own, not yet in these buffers (a conversion
-        # of part of the unit, a parameter replaced before the first forward): mfsdp2.param_adoption.
-        self.pending: set[int] = set()
+        # of part of the unit, a parameter replaced before the first forward), each with the
+        # original dtype it asks the group for: mfsdp2.param_adoption.
+        self.pending: dict[int, torch.dtype] = {}
         # Persistent weights: the ranks' agreed answer to "did the weights change on any rank since
         # the last gather" (set at the root's forward, see weight_watch.agree_on_gathers).
         self.agreed_stale = False

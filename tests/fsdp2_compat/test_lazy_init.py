@@ -1,6 +1,6 @@
 """What may happen to a sharded model between ``fully_shard`` and its first forward, run by torch
-FSDP2 and by mfsdp2 (ZeRO-3 and ZeRO-2) on the same float64 model and data in the same process,
-and by the unsharded model.
+FSDP2 and by mfsdp2 (ZeRO-3, ZeRO-2, and no_shard at world size 2) on the same float64 model and
+data in the same process, and by the unsharded model.
 
 The model is torchtitan's shape: an input layer owned by the root, blocks as units of their own,
 and the final norm and the output layer together as one unit of two modules
@@ -27,6 +27,12 @@ FSDP2's and the unsharded model's (REL_F64: only reduction orders differ).
   rows than its own); a plain-tensor replacement is refused with a message (FSDP2: AttributeError).
 * ``unshard(async_op=True)`` of units below the root before the root's first forward (pipeline
   schedules do it), used to be refused ("is unsharded while 'root' becomes its root").
+* Also: a materialize after ``to_empty`` of part of the model initialises only what is still on
+  meta; ``.double()`` module by module with gradients present converts them (the first backward
+  adds to them); a unit of several modules kept gathered after forward gives the sharded main
+  weights in ``state_dict()`` (it gave the gathered plain tensors); a bf16 meta model computes in
+  bf16 after ``to_empty`` (it was rebuilt as float32 from its float32 main weights' dtype), and
+  in float32 after ``.float()``, as FSDP2's.
 """
 
 from __future__ import annotations
@@ -44,7 +50,12 @@ from .._dist import run_ranks
 from ..models import F64, REL_F64, assert_close_rel, batch, loss_fn, make_opt
 
 STEPS, GB, D_IN = 3, 8, 12
-RUNTIMES = {"fsdp2": None, "zero3": "optim_grads_params", "zero2": "optim_grads"}
+RUNTIMES = {"fsdp2": None, "zero3": "optim_grads_params", "zero2": "optim_grads", "no_shard": "no_shard"}
+
+
+def _ours(ws: int) -> tuple:
+    """mfsdp2's strategies run at ``ws``: no_shard (Replicate placements) at world size 2 only."""
+    return ("zero3", "zero2", "no_shard") if ws > 1 else ("zero3", "zero2")
 
 
 class Block(nn.Module):
@@ -436,6 +447,12 @@ def _misc(rt, mesh, rank, ws):
     _copy_init(m, {k: v.to(torch.bfloat16) for k, v in _reference_values().items()})
     y = m(x[:2].to(torch.bfloat16))
     out["bf16_output"] = (str(y.dtype), y.detach().float())
+    m = _wrap(_titan(device="meta", dtype=torch.bfloat16), shard)
+    m.to_empty(device="cpu")
+    _copy_init(m, {k: v.to(torch.bfloat16) for k, v in _reference_values().items()})
+    m.float()  # asks for a float32 model (whose parameters showed float32 main weights already)
+    y = m(x[:2].float())
+    out["bf16_float_output"] = (str(y.dtype), y.detach())
     return out
 
 
@@ -444,7 +461,7 @@ def _run(rank, ws):
     ref = _reference_values()
     out = {"flows": {}, "weight_norm": {}, "refusals": {}, "misc": {}}
     for flow, make in FLOWS.items():
-        for rt in RUNTIMES:
+        for rt in ("fsdp2",) + _ours(ws):
             try:
                 model, info = make(rt, mesh, ref, rank, ws)
                 out["flows"][(flow, rt)] = {**_train(model, rank, ws, info.pop("before_first_forward", None)), **info}
@@ -452,7 +469,7 @@ def _run(rank, ws):
                 import traceback
 
                 out["flows"][(flow, rt)] = {"error": traceback.format_exc()}
-    for rt in RUNTIMES:
+    for rt in ("fsdp2",) + _ours(ws):
         for key, case in (("weight_norm", _weight_norm_case), ("refusals", _refusals), ("misc", _misc)):
             try:
                 out[key][rt] = case(rt, mesh, rank, ws)
@@ -499,7 +516,7 @@ def test_flow_trains_like_fsdp2_and_the_unsharded_model(ws, flow):
     rel = REL_F64
     fsdp2 = res[(flow, "fsdp2")]
     _assert_run(fsdp2, reference, f"FSDP2 {flow} (ws {ws})", rel)
-    for rt in ("zero3", "zero2"):
+    for rt in _ours(ws):
         _assert_run(res[(flow, rt)], fsdp2, f"mfsdp2 {rt} {flow} vs FSDP2 (ws {ws})", REL_F64)
         _assert_run(res[(flow, rt)], reference, f"mfsdp2 {rt} {flow} vs unsharded (ws {ws})", rel)
         if "grads_dtype" in fsdp2:
@@ -512,7 +529,7 @@ def test_forward_with_part_of_a_unit_converted_is_refused_naming_the_parameters(
     res = _results(ws)["flows"]
     theirs = _results(ws)["refusals"]["fsdp2"]["part_on_meta"]
     assert theirs[0] == "RuntimeError" and "still on meta device" in theirs[1], theirs
-    for rt in ("zero3", "zero2"):
+    for rt in _ours(ws):
         assert _results(ws)["refusals"][rt]["part_on_meta"][0] == "RuntimeError"
         kind, msg = res[("to_empty_in_parts", rt)]["refused"]
         assert kind == "RuntimeError" and "['[1].weight', '[1].bias'] of unit 'norm' are still on the meta device" in msg, msg
@@ -526,7 +543,7 @@ def test_forward_with_part_of_a_unit_converted_is_refused_naming_the_parameters(
 def test_meta_parameter_replaced_by_a_dtensor_of_other_rows_is_taken_as_fsdp2_takes_it(ws):
     res = _results(ws)["weight_norm"]
     want = _weight_norm_reference(ws)
-    for rt in RUNTIMES:
+    for rt in ("fsdp2",) + _ours(ws):
         got = res[rt]
         assert "error" not in got, f"{rt}:\n{got.get('error')}"
         assert abs(got["loss"] - want["loss"]) <= REL_F64 * abs(want["loss"]), (rt, got["loss"], want["loss"])
@@ -545,7 +562,7 @@ def test_what_fsdp2_refuses_before_the_first_forward_is_refused_with_a_message(w
     assert theirs["plain_replacement"][0] == "AttributeError"  # FSDP2 reads ._local_tensor of it
     assert theirs["two_dtypes"][0] == "AssertionError" and "uniform original parameter dtype" in theirs["two_dtypes"][1]
     assert theirs["unshard_meta"][0] == "RuntimeError"
-    for rt in ("zero3", "zero2"):
+    for rt in _ours(ws):
         ours = res[rt]
         kind, msg = ours["plain_replacement"]
         assert kind == "RuntimeError" and "'[1].weight' of unit 'norm' was replaced after fully_shard by a plain Parameter" in msg, msg
@@ -560,12 +577,13 @@ def test_what_fsdp2_refuses_before_the_first_forward_is_refused_with_a_message(w
 @pytest.mark.slow
 @pytest.mark.parametrize("ws", [1, 2])
 def test_gathered_unit_of_several_modules_saves_its_main_weights_and_bf16_to_empty_stays_bf16(ws):
+    """... and ``.float()`` of that bf16 model still makes it a float32 one, as in FSDP2."""
     res = _results(ws)["misc"]
     for rt, got in res.items():
         assert "error" not in got, f"{rt}:\n{got.get('error')}"
     theirs = res["fsdp2"]
     ref = _reference_values()
-    for rt in ("zero3", "zero2"):
+    for rt in _ours(ws):
         ours = res[rt]
         assert list(ours["gathered_state_dict"]) == list(theirs["gathered_state_dict"])
         for k, (kind, v) in ours["gathered_state_dict"].items():
@@ -573,3 +591,5 @@ def test_gathered_unit_of_several_modules_saves_its_main_weights_and_bf16_to_emp
             assert torch.equal(v, ref[k]), (rt, k)
         assert ours["bf16_output"][0] == theirs["bf16_output"][0] == "torch.bfloat16", (rt, ours["bf16_output"][0])
         assert torch.equal(ours["bf16_output"][1], theirs["bf16_output"][1]), rt
+        assert ours["bf16_float_output"][0] == theirs["bf16_float_output"][0] == "torch.float32", rt
+        assert torch.equal(ours["bf16_float_output"][1], theirs["bf16_float_output"][1]), rt
