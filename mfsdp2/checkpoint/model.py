@@ -78,8 +78,15 @@ def _own_entries(module: nn.Module, prefix: str):
             dp = g.dist_params[i]
             rows = None
             for info in owners:
+                cur = info.owner._parameters.get(info.attr)
+                if cur is not dp and cur is not g.unsharded_params[i]:
+                    continue  # replaced since fully_shard: the module's own object is the entry
                 if info.fqn.startswith(tag):
-                    rows = rows or g.layout.rows_per_rank(i)
+                    if rows is None:
+                        # A pending value (mfsdp2.param_adoption: a replaced parameter, not yet in
+                        # the group's rows) is described by its own placement.
+                        pending = i in g.pending and not _generic(dp)
+                        rows = dp.placements[0].rows if pending else g.layout.rows_per_rank(i)
                     yield prefix + info.fqn[len(tag):], dp, rows
 
 

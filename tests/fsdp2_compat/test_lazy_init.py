@@ -24,7 +24,7 @@ FSDP2's and the unsharded model's (REL_F64: only reduction orders differ).
   [Shard(0)]))`` before the first forward is taken, as FSDP2 takes it (it used to be refused as
   "replaced", or for a meta model as "still on the meta device"); torch's own case, a meta
   parameter of the root replaced by a DTensor computed from two other units' parameters (other
-  rows than its own); a plain-tensor replacement is refused with a message (FSDP2: AttributeError).
+  rows than its own; its ``state_dict()`` before the forward too); a plain-tensor replacement is refused with a message (FSDP2: AttributeError).
 * ``unshard(async_op=True)`` of units below the root before the root's first forward (pipeline
   schedules do it), used to be refused ("is unsharded while 'root' becomes its root").
 * Also: a materialize after ``to_empty`` of part of the model initialises only what is still on
@@ -376,13 +376,14 @@ def _weight_norm_case(rt, mesh, rank, ws):
     assert m.pad.is_meta and m.weight_norm.is_meta  # the root was never converted
     m.pad = nn.Parameter(_zeros_like(m.pad, mesh))
     m.init_weight_norm()
+    saved = {k: full(v) for k, v in m.state_dict().items()}  # before the first forward takes it in
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank), dtype=F64)
     loss = m(x)
     loss.backward()
     t = loss.detach().clone()
     torch.distributed.all_reduce(t)
     return {"loss": t.item() / ws, "params": {k: full(p) for k, p in m.named_parameters()},
-            "grads": {k: full(p.grad) for k, p in m.named_parameters()}}
+            "grads": {k: full(p.grad) for k, p in m.named_parameters()}, "saved": saved}
 
 
 def _zeros_like(p, mesh):
@@ -550,6 +551,7 @@ def test_meta_parameter_replaced_by_a_dtensor_of_other_rows_is_taken_as_fsdp2_ta
         for k in want["params"]:
             assert_close_rel(got["params"][k], want["params"][k], f"{rt} param {k}", REL_F64)
             assert_close_rel(got["grads"][k], want["grads"][k], f"{rt} grad {k}", REL_F64)
+            assert_close_rel(got["saved"][k], want["params"][k], f"{rt} state_dict before the forward {k}", REL_F64)
 
 
 @pytest.mark.slow
