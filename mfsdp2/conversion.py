@@ -47,7 +47,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .param_adoption import adopt_replaced, asked_dtype, check_device, probe_dtype, put_grads, rebuilt, same_memory, settle, stage
+from .param_adoption import (
+    adopt_replaced, asked_dtype, check_device, probe_dtype, put_grads, rebuilt, same_memory, settle, stage,
+)
 from .state import ShardState, TrainingState
 
 __all__ = ["apply_to_unit"]

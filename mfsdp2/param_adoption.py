@@ -43,7 +43,10 @@ from torch.distributed.tensor import DTensor
 
 from .param_group import ParameterGroup, live_groups, swap_param
 
-__all__ = ["stage", "adopt_replaced", "settle", "settle_all", "prepare", "rebuilt", "put_grads", "asked_dtype", "probe_dtype", "same_memory", "check_device"]
+__all__ = [
+    "stage", "adopt_replaced", "settle", "settle_all", "prepare", "rebuilt", "put_grads", "asked_dtype", "probe_dtype",
+    "same_memory", "check_device",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +315,8 @@ def settle(state, g: ParameterGroup) -> ParameterGroup:
     from .checkpoint.model import mark_empty_pieces
 
     mark_empty_pieces(target)
-    logger.debug("mfsdp2: %s took %d pending parameter values (%s%s)", target.name, len(idx), dtype, ", meta" if meta else "")
+    logger.debug("mfsdp2: %s took %d pending parameter values (%s%s)", target.name, len(idx), dtype,
+                 ", meta" if meta else "")
     return target
 
 
@@ -345,7 +349,8 @@ def prepare(state) -> None:
         )
     for g in state.groups:
         if g.pending:
-            dtypes = {g.infos[i][0].fqn: str(g.pending.get(i, g.orig_dtype)).replace("torch.", "") for i in range(len(g.dist_params))}
+            asked = [g.pending.get(i, g.orig_dtype) for i in range(len(g.dist_params))]
+            dtypes = {info[0].fqn: str(d).replace("torch.", "") for info, d in zip(g.infos, asked)}
             raise RuntimeError(
                 f"mfsdp2: the parameters of {g.name} have different dtypes after some of them were converted or "
                 f"replaced ({dtypes}); a group of a unit's parameters keeps one dtype (FSDP2 refuses this too: "

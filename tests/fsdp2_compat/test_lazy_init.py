@@ -24,7 +24,8 @@ FSDP2's and the unsharded model's (REL_F64: only reduction orders differ).
   [Shard(0)]))`` before the first forward is taken, as FSDP2 takes it (it used to be refused as
   "replaced", or for a meta model as "still on the meta device"); torch's own case, a meta
   parameter of the root replaced by a DTensor computed from two other units' parameters (other
-  rows than its own; its ``state_dict()`` before the forward too); a plain-tensor replacement is refused with a message (FSDP2: AttributeError).
+  rows than its own; its ``state_dict()`` before the forward too); a plain-tensor replacement is
+  refused with a message (FSDP2: AttributeError).
 * ``unshard(async_op=True)`` of units below the root before the root's first forward (pipeline
   schedules do it), used to be refused ("is unsharded while 'root' becomes its root").
 * Also: a materialize after ``to_empty`` of part of the model initialises only what is still on
@@ -350,7 +351,8 @@ class NormNet(nn.Module):
 
     @torch.no_grad()
     def init_weight_norm(self):
-        self.weight_norm = nn.Parameter(torch.linalg.norm(self.layer1.weight, dim=1) + torch.linalg.norm(self.layer2.weight, dim=1))
+        norms = torch.linalg.norm(self.layer1.weight, dim=1) + torch.linalg.norm(self.layer2.weight, dim=1)
+        self.weight_norm = nn.Parameter(norms)
 
     def forward(self, x):
         return self.layer2(self.layer1(x)).sum() + (self.weight_norm * self.weight_norm).sum() + self.pad.sum()
@@ -358,7 +360,8 @@ class NormNet(nn.Module):
 
 def _norm_net_values() -> dict:
     torch.manual_seed(3)
-    return {"layer1.weight": torch.randn(3, 3, dtype=F64), "layer2.weight": torch.randn(3, 3, dtype=F64), "pad": torch.zeros(5, dtype=F64)}
+    return {"layer1.weight": torch.randn(3, 3, dtype=F64), "layer2.weight": torch.randn(3, 3, dtype=F64),
+            "pad": torch.zeros(5, dtype=F64)}
 
 
 def _weight_norm_case(rt, mesh, rank, ws):
@@ -521,7 +524,7 @@ def test_flow_trains_like_fsdp2_and_the_unsharded_model(ws, flow):
         _assert_run(res[(flow, rt)], fsdp2, f"mfsdp2 {rt} {flow} vs FSDP2 (ws {ws})", REL_F64)
         _assert_run(res[(flow, rt)], reference, f"mfsdp2 {rt} {flow} vs unsharded (ws {ws})", rel)
         if "grads_dtype" in fsdp2:
-            assert res[(flow, rt)]["grads_dtype"] == fsdp2["grads_dtype"] == ["torch.float64"], res[(flow, rt)]["grads_dtype"]
+            assert res[(flow, rt)]["grads_dtype"] == fsdp2["grads_dtype"] == ["torch.float64"], rt
 
 
 @pytest.mark.slow
@@ -533,7 +536,8 @@ def test_forward_with_part_of_a_unit_converted_is_refused_naming_the_parameters(
     for rt in _ours(ws):
         assert _results(ws)["refusals"][rt]["part_on_meta"][0] == "RuntimeError"
         kind, msg = res[("to_empty_in_parts", rt)]["refused"]
-        assert kind == "RuntimeError" and "['[1].weight', '[1].bias'] of unit 'norm' are still on the meta device" in msg, msg
+        assert kind == "RuntimeError", msg
+        assert "['[1].weight', '[1].bias'] of unit 'norm' are still on the meta device" in msg, msg
         kind, msg = res[("float_roundtrip", rt)]["refused"]
         assert kind == "RuntimeError" and "have different dtypes after some of them were converted" in msg, msg
         assert "'[0].weight': 'float32'" in msg and "'[1].weight': 'float64'" in msg, msg
@@ -567,7 +571,8 @@ def test_what_fsdp2_refuses_before_the_first_forward_is_refused_with_a_message(w
     for rt in _ours(ws):
         ours = res[rt]
         kind, msg = ours["plain_replacement"]
-        assert kind == "RuntimeError" and "'[1].weight' of unit 'norm' was replaced after fully_shard by a plain Parameter" in msg, msg
+        assert kind == "RuntimeError", msg
+        assert "'[1].weight' of unit 'norm' was replaced after fully_shard by a plain Parameter" in msg, msg
         assert "distribute_tensor(value, p.device_mesh, p.placements)" in msg, msg
         kind, msg = ours["two_dtypes"]
         assert kind == "RuntimeError" and "different dtypes" in msg, msg
