@@ -141,7 +141,8 @@ def reshard(state: FSDPState, to_group: bool = False) -> None:
 
 # -- root -------------------------------------------------------------------------------------
 def lazy_init(state: FSDPState) -> None:
-    """Make ``state`` the root of every unit in its subtree unless it is already under a root."""
+    """Make ``state`` the root of every unit in its subtree unless it is already under a root, and
+    prepare each unit's parameters (:func:`mfsdp2.param_adoption.prepare`)."""
     if state.ctx is not None:
         return
     states = []
