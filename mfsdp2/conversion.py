@@ -109,21 +109,25 @@ def apply_to_unit(module: nn.Module, fn: Callable, recurse: bool, super_apply: C
     for (g, i, _), p in zip(touched, converted):
         per_group.setdefault(id(g), []).append((i, p.detach(), p.grad.detach() if p.grad is not None else None))
     probes: dict = {}
+
+    def asked(g, i: int, value: torch.Tensor) -> torch.dtype:
+        """The original dtype the conversion asks for: what fn makes of the parameter's own one
+        (the parameters show the main weights' dtype, which may not be the model's)."""
+        src = g.pending.get(i, g.orig_dtype)
+        if src not in probes:
+            probes[src] = probe_dtype(fn, src)
+        return probes[src] or asked_dtype(g, value.dtype)
+
     for gi, g in enumerate(list(state.groups)):
         items = per_group.get(id(g))
         if not items:
             continue
-        # The original dtype the conversion asks for: what fn makes of it (the parameters show
-        # the main weights' dtype, which may not be the model's).
-        if g.orig_dtype not in probes:
-            probes[g.orig_dtype] = probe_dtype(fn, g.orig_dtype)
-        dtype = probes[g.orig_dtype] or asked_dtype(g, items[0][1].dtype)
         if len(items) == len(g.dist_params) and not g.pending:
             items.sort(key=lambda t: t[0])
-            new = _adopt(state, g, [v for _, v, _ in items], [gr for _, _, gr in items], dtype)
+            new = _adopt(state, g, [v for _, v, _ in items], [gr for _, _, gr in items], asked(g, 0, items[0][1]))
         else:  # part of the group (one module of several, or a sub-module only)
             for i, v, gr in items:
-                stage(state, g, i, v, gr, dtype)
+                stage(state, g, i, v, gr, asked(g, i, v))
             new = settle(state, g)
         if new is not g:
             state.groups[gi] = new

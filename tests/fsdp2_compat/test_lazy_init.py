@@ -418,6 +418,10 @@ def _refusals(rt, mesh, rank, ws):
     m = _wrap(_titan(), _shard_fn(rt, mesh))
     m.norm.float()
     out["two_dtypes"] = _forward_error(m, rank, ws)
+    m = _wrap(_titan(), _shard_fn(rt, mesh))
+    m.norm.float()
+    m.to_empty(device="cpu")  # keeps every parameter's dtype: the norm's float32 too
+    out["two_dtypes_after_to_empty"] = _forward_error(m, rank, ws)
     m = _wrap(_titan(device="meta"), _shard_fn(rt, mesh))
     for mod in (m.blocks[0], m.blocks[1], m.inp, m.norm):
         mod.to_empty(device="cpu")
@@ -566,7 +570,8 @@ def test_what_fsdp2_refuses_before_the_first_forward_is_refused_with_a_message(w
         assert "error" not in got, f"{rt}:\n{got.get('error')}"
     theirs = res["fsdp2"]
     assert theirs["plain_replacement"][0] == "AttributeError"  # FSDP2 reads ._local_tensor of it
-    assert theirs["two_dtypes"][0] == "AssertionError" and "uniform original parameter dtype" in theirs["two_dtypes"][1]
+    for case in ("two_dtypes", "two_dtypes_after_to_empty"):
+        assert theirs[case][0] == "AssertionError" and "uniform original parameter dtype" in theirs[case][1], case
     assert theirs["unshard_meta"][0] == "RuntimeError"
     for rt in _ours(ws):
         ours = res[rt]
@@ -574,8 +579,9 @@ def test_what_fsdp2_refuses_before_the_first_forward_is_refused_with_a_message(w
         assert kind == "RuntimeError", msg
         assert "'[1].weight' of unit 'norm' was replaced after fully_shard by a plain Parameter" in msg, msg
         assert "distribute_tensor(value, p.device_mesh, p.placements)" in msg, msg
-        kind, msg = ours["two_dtypes"]
-        assert kind == "RuntimeError" and "different dtypes" in msg, msg
+        for case in ("two_dtypes", "two_dtypes_after_to_empty"):
+            kind, msg = ours[case]
+            assert kind == "RuntimeError" and "'[0].weight': 'float32'" in msg and "'[1].weight': 'float64'" in msg, msg
         kind, msg = ours["unshard_meta"]
         assert kind == "RuntimeError" and "['norm.weight', 'norm.bias', 'fc1.weight'" in msg, msg
         assert "are still on the meta device" in msg, msg
