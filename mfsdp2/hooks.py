@@ -50,6 +50,7 @@ from .comm import host_tensor
 from . import step_guard
 from .weight_watch import agree_on_gathers
 from .fp8 import gather_riders
+from . import param_adoption
 
 __all__ = ["pre_forward", "post_forward", "unshard_async", "wait_unshard", "reshard", "lazy_init", "reset", "finish_backward"]
 
@@ -67,6 +68,10 @@ def unshard_async(state: FSDPState) -> None:
     Stale covers a gather still in flight too: ``unshard(async_op=True)`` issued before
     ``optimizer.step()`` gathered the old shards.
     """
+    if state.ctx is None or state.unsettled:
+        # unshard() before the first forward (FSDP2 runs its groups' lazy init there), or a
+        # conversion of part of the unit since: the parameters must be ready to gather.
+        param_adoption.prepare(state)
     if state.shard_state is not ShardState.SHARDED and any(g.stale for g in state.groups):
         reshard(state)
     if state.shard_state not in (ShardState.SHARDED, ShardState.PARTIAL):
@@ -136,7 +141,8 @@ def reshard(state: FSDPState, to_group: bool = False) -> None:
 
 # -- root -------------------------------------------------------------------------------------
 def lazy_init(state: FSDPState) -> None:
-    """Make ``state`` the root of every unit in its subtree unless it is already under a root."""
+    """Make ``state`` the root of every unit in its subtree unless it is already under a root, and
+    prepare each unit's parameters (:func:`mfsdp2.param_adoption.prepare`)."""
     if state.ctx is not None:
         return
     states = []
@@ -148,20 +154,18 @@ def lazy_init(state: FSDPState) -> None:
                 g.unit_name = s.name
             states.append(s)
     for s in states:
-        if s.shard_state is not ShardState.SHARDED and s is not state:
+        # Gathered by an explicit unshard() before any forward (a pipeline schedule unshards its
+        # stages first): kept, as FSDP2 keeps it; its forward waits for that gather. A unit that
+        # already ran as a root of its own and kept its parameters gathered is another matter.
+        if s.shard_state is not ShardState.SHARDED and s is not state and s.ctx is not None:
             raise RuntimeError(
                 f"mfsdp2: unit {s.name!r} is unsharded while {state.name!r} becomes its root; "
                 "reshard it (module.reshard()) before running the parent's forward"
             )
     for s in states:
-        meta = [g.name for g in s.groups if g.needs_init]
-        if meta:
-            raise RuntimeError(
-                f"mfsdp2: the parameters of {meta} are still on the meta device (the model was built "
-                "under torch.device('meta')); call mfsdp2.materialize(model) after fully_shard and "
-                "before the first forward (or FSDP2's recipe: model.to_empty(device=...), then "
-                "reset_parameters() on each module)"
-            )
+        # Parameters replaced since fully_shard are taken, pending values folded in; parameters
+        # still on the meta device, or of two dtypes in one group, are refused.
+        param_adoption.prepare(s)
         if s is not state and s.allocator_spec is not None and s.allocator_spec is not state.allocator_spec:
             raise ValueError(
                 f"mfsdp2: allocator={s.allocator_spec!r} was given to {s.name!r}, which is not the root; "

@@ -26,22 +26,35 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from .param_adoption import adopt_replaced, settle_all
+
 __all__ = ["materialize"]
 
 logger = logging.getLogger(__name__)
 
 
-def _owned(model: nn.Module) -> dict[int, list]:
-    """id(module) -> [(group, index, attr)] for every parameter slot a module registers directly."""
-    out: dict[int, list] = {}
+def _units(model: nn.Module) -> list:
+    """Every unit under ``model`` once (a unit of several modules is met once per module)."""
+    out: list = []
     for m in model.modules():
-        st = getattr(m, "_mfsdp2_state", None)
-        if st is None:
-            continue
+        st = m.__dict__.get("_mfsdp2_state")
+        if st is not None and all(st is not o for o in out):
+            out.append(st)
+    return out
+
+
+def _owned(states: list) -> dict[int, list]:
+    """id(module) -> [(group, index, attr)] for every parameter slot a module registers directly
+    and whose value is still to come (on the meta device, not pending: a parameter converted or
+    replaced on its own already holds its value)."""
+    out: dict[int, list] = {}
+    for st in states:
         for g in st.groups:
             if not g.needs_init:
                 continue
             for i, owners in enumerate(g.infos):
+                if i in g.pending:
+                    continue
                 first = owners[0]  # a tied parameter is initialised by its first owner only
                 out.setdefault(id(first.owner), []).append((g, i, first.attr))
     return out
@@ -52,8 +65,16 @@ def materialize(model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]]
     """Fill the shards of a model that was built on the meta device and passed to ``fully_shard``.
 
     ``init_fn(module)`` (default: ``module.reset_parameters()``) must initialise the module's own
-    parameters (and buffers), which are real full-size tensors while it runs. Not collective."""
-    owned = _owned(model)
+    parameters (and buffers), which are real full-size tensors while it runs. Parameters that
+    already hold values (a module converted by ``to_empty`` on its own, a parameter replaced
+    before the first forward) keep them. Not collective, unless a replaced parameter's rows must
+    be redistributed (every rank calls it anyway)."""
+    states = _units(model)
+    for st in states:
+        if st.ctx is None:
+            adopt_replaced(st)
+        settle_all(st)
+    owned = _owned(states)
     if not owned:
         return
     device = next(g for slots in owned.values() for g, _, _ in slots).device
@@ -96,4 +117,6 @@ def materialize(model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]]
     for g in groups.values():
         g.needs_init = False
         g.mark_changed()
+    for st in states:  # values held apart (pending) now fit their allocated groups
+        settle_all(st)
     logger.debug("mfsdp2: materialised %d parameters in %d groups", len(done), len(groups))

@@ -183,6 +183,10 @@ class ParameterGroup(GradientReduction):
         # (:meth:`allocate`); the values come from the init that follows.
         self.needs_init = params[0].is_meta
         self._build_buffers(torch.device("meta") if self.needs_init else device)
+        # Parameters whose object holds a value of its own, not yet in these buffers (a conversion
+        # of part of the unit, a parameter replaced before the first forward), each with the
+        # original dtype it asks the group for: mfsdp2.param_adoption.
+        self.pending: dict[int, torch.dtype] = {}
         # Persistent weights: the ranks' agreed answer to "did the weights change on any rank since
         # the last gather" (set at the root's forward, see weight_watch.agree_on_gathers).
         self.agreed_stale = False
@@ -268,8 +272,9 @@ class ParameterGroup(GradientReduction):
         self._build_buffers(self.device)
         views = self.weights.param_views()
         for i, dp in enumerate(self.dist_params):
-            local = self.weights.piece_view(self.main_weight, i)
-            swap_param(dp, nn.Parameter(self.as_dtensor(local, i, dp.shape), requires_grad=dp.requires_grad))
+            if i not in self.pending:  # a pending one keeps its own value until param_adoption.settle
+                local = self.weights.piece_view(self.main_weight, i)
+                swap_param(dp, nn.Parameter(self.as_dtensor(local, i, dp.shape), requires_grad=dp.requires_grad))
             spec = self.tp_specs[i]
             unsharded = tp_dtensor(views[i], spec) if spec is not None else views[i]
             self.unsharded_params[i] = nn.Parameter(unsharded, requires_grad=self.unsharded_params[i].requires_grad)
@@ -327,9 +332,10 @@ class ParameterGroup(GradientReduction):
                     if cur is not self.dist_params[i] and cur is not self.unsharded_params[i]:
                         raise RuntimeError(
                             f"mfsdp2: parameter {info.fqn!r} of unit {self.unit_name!r} was replaced (or deleted) "
-                            "after fully_shard; the runtime owns it now. Change its values in place "
-                            "(with torch.no_grad(): param.copy_(...), or load_state_dict) instead of "
-                            "assigning a new Parameter, or assign before calling fully_shard"
+                            "after fully_shard and the first forward; the runtime owns it now. Change its values "
+                            "in place (with torch.no_grad(): param.copy_(...), or load_state_dict) instead of "
+                            "assigning a new Parameter, or assign it before the first forward (a DTensor like "
+                            "the parameter, as FSDP2 takes it)"
                         )
                 info.owner._parameters[info.attr] = p
         if not unsharded and not check:
@@ -338,8 +344,18 @@ class ParameterGroup(GradientReduction):
             self._record_storages()
 
     def _record_storages(self) -> None:
-        """Remember each DTensor parameter's storage (see :meth:`_check_data_not_assigned`)."""
+        """Remember each DTensor parameter's storage and local tensor (see
+        :meth:`_check_data_not_assigned`, :meth:`converted_elsewhere`)."""
         self._dp_storages = [dp.untyped_storage()._cdata for dp in self.dist_params]
+        self._dp_locals = [id(dp._local_tensor) for dp in self.dist_params]
+
+    def converted_elsewhere(self, i: int) -> bool:
+        """Whether parameter ``i``'s object got new contents behind the group's back: torch's
+        ``_apply`` (``.to`` / ``to_empty`` / ``.half()``) run on a module inside the unit that is
+        not one of its modules swaps a new DTensor into it (``swap_tensors``), whose local tensor
+        is no view of the group's rows."""
+        recorded = getattr(self, "_dp_locals", None)
+        return recorded is not None and id(self.dist_params[i]._local_tensor) != recorded[i]
 
     def _check_data_not_assigned(self) -> None:
         """``p.data = new`` on a DTensor parameter swaps the wrapper's storage but not the local
@@ -353,6 +369,13 @@ class ParameterGroup(GradientReduction):
             return
         for i, dp in enumerate(self.dist_params):
             if dp.untyped_storage()._cdata != recorded[i]:
+                if self.converted_elsewhere(i):
+                    raise RuntimeError(
+                        f"mfsdp2: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} was converted "
+                        "(.to / to_empty / .half ...) after the first forward through a module inside the unit "
+                        "that is not one of the modules passed to fully_shard; its shard keeps the old values. "
+                        "Convert the unit's module (or the whole model), which converts its shards"
+                    )
                 raise RuntimeError(
                     f"mfsdp2: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} had its .data "
                     "assigned after fully_shard (p.data = ...); a DTensor parameter ignores that (its "

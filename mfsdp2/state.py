@@ -93,6 +93,9 @@ class FSDPState:
         self.unshard_in_backward = True  # False: backward needs none of the weights (set_unshard_in_backward)
         # Reduction inputs alive at once, this unit's included (set_reduce_scatter_max_input_buffers).
         self.max_reduce_in_flight = 1
+        # Some group holds pending parameter values (mfsdp2.param_adoption): settled or refused
+        # before the next gather.
+        self.unsettled = False
 
     def __repr__(self) -> str:
         return f"FSDPState({self.name!r}, {self.shard_state.value}, {self.training_state.value})"

@@ -82,6 +82,9 @@ EXPECTED = {
     "E52": (ValueError, "reshard their weights after forward"),
     "E53": (RuntimeError, "parameter 'fc1.weight' of unit 'blocks.0' had its .data assigned after fully_shard"),
     "E55": (UnsyncedGradientsError, "hold gradients accumulated with gradient sync off"),
+    "E56": (RuntimeError, "was replaced after fully_shard by a plain Parameter of shape (40, 16)"),
+    "E57": (RuntimeError, "have different dtypes after some of them were converted or replaced"),
+    "E58": (RuntimeError, "parameter 'fc1.weight' of unit 'blocks.0' was converted (.to / to_empty / .half ...) after the first forward"),
     "E54": (StaleParameterError, "SGD holds parameter 'inp.weight' of unit 'root' as it was before fully_shard"),
 }
 
@@ -229,8 +232,21 @@ def _rows_ws1(rank, ws):
     _capture(out, "E11", lambda: net.set_modules_to_forward_prefetch([nn.Linear(2, 2)]))
 
     net = _sharded_net(mesh)
-    net.blocks[1].unshard()  # gathered before the root's first forward makes it the root
+    net.blocks[1](torch.zeros(1, 16))  # its own root: keeps its parameters gathered after forward
     _capture(out, "E13", lambda: net(torch.zeros(1, 12)))
+
+    net = _sharded_net(mesh)
+    net.blocks[0].fc1.weight = nn.Parameter(torch.zeros(40, 16))  # before the first forward: not a DTensor
+    _capture(out, "E56", lambda: net(torch.zeros(1, 12)))
+
+    net = _sharded_net(mesh)
+    net.blocks[0].norm.double()  # part of the unit's float32 group
+    _capture(out, "E57", lambda: net(torch.zeros(1, 12)))
+
+    net = _sharded_net(mesh)
+    net(torch.zeros(1, 12)).sum().backward()
+    net.blocks[0].fc1.double()  # a plain module inside the unit, after the first forward
+    _capture(out, "E58", lambda: net(torch.zeros(1, 12)))
 
     net = _sharded_net(mesh)
     net(torch.zeros(1, 12)).sum().backward()

@@ -64,18 +64,34 @@ def mark_empty_pieces(g) -> None:
             mark_write_nothing(dp)
 
 
-def _own_entries(state, prefix: str):
-    """``(key, dist_param, rows)`` for every name of every parameter this unit owns."""
+def _own_entries(module: nn.Module, prefix: str):
+    """``(key, dist_param, rows)`` for every name under ``module`` of every parameter its unit
+    owns. The hooks run once per module of a unit of several (``fully_shard([norm, head])``),
+    each with its own prefix: its parameters' names are relative to it (``[1].weight`` is the
+    second module's ``weight``), and the other modules' parameters are theirs to report."""
+    state = module._mfsdp2_state
+    tag = ""
+    if len(state.modules) > 1:
+        tag = f"[{next(j for j, m in enumerate(state.modules) if m is module)}]."
     for g in state.groups:
         for i, owners in enumerate(g.infos):
             dp = g.dist_params[i]
-            rows = g.layout.rows_per_rank(i)
+            rows = None
             for info in owners:
-                yield prefix + info.fqn, dp, rows
+                cur = info.owner._parameters.get(info.attr)
+                if cur is not dp and cur is not g.unsharded_params[i]:
+                    continue  # replaced since fully_shard: the module's own object is the entry
+                if info.fqn.startswith(tag):
+                    if rows is None:
+                        # A pending value (mfsdp2.param_adoption: a replaced parameter, not yet in
+                        # the group's rows) is described by its own placement.
+                        pending = i in g.pending and not _generic(dp)
+                        rows = dp.placements[0].rows if pending else g.layout.rows_per_rank(i)
+                    yield prefix + info.fqn[len(tag):], dp, rows
 
 
 def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    for key, dp, rows in _own_entries(module._mfsdp2_state, prefix):
+    for key, dp, rows in _own_entries(module, prefix):
         if key not in state_dict:
             continue
         if isinstance(state_dict[key], nn.Parameter):  # keep_vars=True: the parameter object itself
@@ -123,7 +139,7 @@ def _same_memory(src: DTensor, dp: DTensor) -> bool:
 
 def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
     state = module._mfsdp2_state
-    entries = [(k, dp, rows) for k, dp, rows in _own_entries(state, prefix) if k in state_dict]
+    entries = [(k, dp, rows) for k, dp, rows in _own_entries(module, prefix) if k in state_dict]
     if not entries:
         return
     check_loadable(state)
