@@ -143,8 +143,9 @@ def _cpu_device_module() -> types.SimpleNamespace:
     )
 
 
-def _prepare_process(rank: int) -> None:
-    """Before torchtitan is imported (see the module docstring)."""
+def _prepare_process(rank: int, root: str) -> None:
+    """Before torchtitan is imported (see the module docstring); Hugging Face's caches (the
+    data set's) go under the test's folder."""
     import torch._utils
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
@@ -154,15 +155,36 @@ def _prepare_process(rank: int) -> None:
     if not hasattr(dist, "set_timeout"):
         dist.set_timeout = _set_pg_timeout
     os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["HF_HOME"] = os.path.join(root, "hf")
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["WANDB_MODE"] = "disabled"
+    os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
+    _quiet()
 
     import torchtitan.trainer as tt_trainer
 
     shim = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
     shim.sleep = lambda seconds: None
     tt_trainer.time = shim
+
+
+def _quiet() -> None:
+    """torchtitan logs its progress through the root logger and trips deprecation warnings of
+    torch and torchdata: both dropped in the ranks (mfsdp2's own warnings still show)."""
+    import logging
+    import warnings
+
+    class NotTorchtitan(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return f"{os.sep}torchtitan{os.sep}" not in record.pathname
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(NotTorchtitan())
+    logging.getLogger().addHandler(handler)
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(torchtitan|torchdata|torch)(\.|$)")
+    torch._logging.set_logs(dynamo=logging.ERROR)
 
 
 def _fsdp2_fully_shard():
@@ -370,7 +392,7 @@ def worker(rank: int, world_size: int, root: str, runs: list) -> dict:
     """Every run of ``runs`` in order in this rank (one process group, one torchtitan import,
     one seed checkpoint for all); results by run name. A run that raises is recorded with its
     error and the others still run."""
-    _prepare_process(rank)
+    _prepare_process(rank, root)
     _seed_checkpoint(root)
     dist.barrier()
     out = {}
