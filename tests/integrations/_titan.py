@@ -123,6 +123,7 @@ class Result:
     lm_head_abs: Optional[torch.Tensor] = None  # chunked runs: sum over chunks, ranks of |dlogits|^T |h|
     step_times: list = field(default_factory=list)  # seconds, train_step as torchtitan runs it
     comm: list = field(default_factory=list)  # mfsdp2 runs: comm_stats of each step
+    compiled_graphs: int = 0  # graphs dynamo compiled during the run
     error: Optional[str] = None
 
 
@@ -337,7 +338,10 @@ def _train(root: str, run: Run) -> Result:
     _bind(run.impl)
     if run.resume_from is not None:
         _take_checkpoint(root, run)
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     res = Result()
     trainer = _config(root, run).build()
     model = trainer.model_parts[0]
@@ -381,6 +385,7 @@ def _train(root: str, run: Run) -> Result:
             _watch_lm_head(model.lm_head, res, first_step)
         trainer.train()
         res.param_digest = _digests(model, grads=False)[0]
+        res.compiled_graphs = counters["stats"]["unique_graphs"]
         if res.lm_head_abs is not None:
             dist.all_reduce(res.lm_head_abs)
     finally:
