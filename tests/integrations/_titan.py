@@ -150,9 +150,16 @@ def _prepare_process(rank: int, root: str) -> None:
     import torch._utils
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
+    # torchtitan asks torch once, when torchtitan.tools.utils is imported; torch's own callers
+    # get torch's answers again afterwards
+    saved = torch._utils._get_available_device_type, torch._utils._get_device_module
     torch._utils._get_available_device_type = lambda: "cpu"
-    get_module = torch._utils._get_device_module
-    torch._utils._get_device_module = lambda t: _cpu_device_module() if t == "cpu" else get_module(t)
+    torch._utils._get_device_module = lambda t: _cpu_device_module() if t == "cpu" else saved[1](t)
+    try:
+        import torchtitan.tools.utils as tt_utils
+    finally:
+        torch._utils._get_available_device_type, torch._utils._get_device_module = saved
+    assert tt_utils.device_type == "cpu", "torchtitan.tools.utils was imported before the test set its device"
     if not hasattr(dist, "set_timeout"):
         dist.set_timeout = _set_pg_timeout
     os.environ["LOCAL_RANK"] = str(rank)
