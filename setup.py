@@ -47,7 +47,13 @@ setup(
     # wheel (constraints.txt) for its venv.
     install_requires=["torch>=2.11", "nvtx", "numpy"],
     extras_require={
-        "test": ["pytest", "hypothesis", "pytest-timeout", "safetensors", "transformers"],
+        # torchtitan: tests/integrations runs its trainer on mfsdp2 (pinned: the test drives its
+        # internals). torchtitan 0.3.0 imports triton at import time on every platform (its
+        # GPU kernels); CUDA builds of torch bring it, the CPU build does not (constraints.txt
+        # pins the version that goes with the Makefile's torch).
+        "test": ["pytest", "hypothesis", "pytest-timeout", "safetensors", "transformers",
+                 "torchtitan==0.3.0",
+                 'triton; platform_system == "Linux" and platform_machine == "x86_64"'],
         "hf": ["safetensors"],  # mfsdp2.checkpoint.hf imports it lazily
         # TE >= 2: te.py relies on its main_grad protocol (lazy main_grad lookup,
         # grad_added_to_main_grad / overwrite_main_grad); [pytorch] pulls the torch bindings.
