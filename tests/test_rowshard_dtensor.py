@@ -45,6 +45,13 @@ OPS = {
     "sum_dim1": (lambda d: d.sum(1), lambda t: t.sum(1)),
     "abs_amax_dim1": (lambda d: d.abs().amax(dim=1), lambda t: t.abs().amax(dim=1)),
     "contiguous": (lambda d: d.contiguous(), lambda t: t),
+    # transposes (Muon's Newton-Schulz works on p.T): the split moves to dim 1 and back
+    "t": (lambda d: d.T, lambda t: t.T),
+    "t_mul_t": (lambda d: (d.T * 2).T, lambda t: t * 2),
+    "transpose_contiguous": (lambda d: d.transpose(0, 1).contiguous(), lambda t: t.T.contiguous()),
+    "permute_clone": (lambda d: d.permute(1, 0).clone(), lambda t: t.T.clone()),
+    "t_copy_into": (lambda d: torch.zeros_like(d.T).copy_(d.T), lambda t: t.T),
+    "add_t": (lambda d: d + d.T if d.shape[0] == d.shape[1] else d, lambda t: t + t.T if t.shape[0] == t.shape[1] else t),
 }
 
 
