@@ -42,7 +42,7 @@ spec; the result is the whole tensor's, as for FSDP2.
 Fused optimizer kernels DTensor has no sharding rule for -- ``_fused_sgd_`` and
 ``_fused_adagrad_`` (``torch.optim.SGD`` / ``Adagrad(fused=True)``; FSDP2 raises "does not have a
 sharding strategy" for them) -- run on the local pieces when our parameters are among their
-arguments: each updates parameter i from gradient i and state i alone, element by element, so the
+arguments (``RowShard`` pieces, or whole replicated parameters under ``no_shard``): each updates parameter i from gradient i and state i alone, element by element, so the
 kernel on this rank's rows is the full kernel restricted to them. Every DTensor of index i must
 hold the same rows (mesh and placements equal, row counts included), else the call is refused
 naming the argument: nothing is redistributed into a temporary the kernel would update instead.
@@ -190,10 +190,17 @@ def _local_of(t, i: int, name: str, spec):
     return t._local_tensor
 
 
+def _ours(t) -> bool:
+    """A DTensor laid out as our parameters are: ``RowShard`` on some mesh dims and ``Replicate``
+    on the others, or ``Replicate`` on all (``no_shard``: every rank holds the whole parameter).
+    torch FSDP2's ``Shard(0)`` parameters never are."""
+    return isinstance(t, DTensor) and all(isinstance(pl, (RowShard, Replicate)) for pl in t.placements)
+
+
 def _fused_elementwise_handler(op_call, args, kwargs):
     lists = [a for a in args if isinstance(a, (list, tuple))]
     params = lists[0] if lists else []
-    ours = any(isinstance(p, DTensor) and any(isinstance(pl, RowShard) for pl in p.placements) for p in params)
+    ours = any(_ours(p) for p in params)
     if not ours or torch.compiler.is_compiling():
         return _default(op_call, args, kwargs)  # DTensor's own verdict (torch has no rule: it raises)
     names = [a.name for a in op_call._schema.arguments]
