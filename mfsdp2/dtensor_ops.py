@@ -46,6 +46,12 @@ arguments (``RowShard`` pieces, or whole replicated parameters under ``no_shard`
 kernel on this rank's rows is the full kernel restricted to them. Every DTensor of index i must
 hold the same rows (mesh and placements equal, row counts included), else the call is refused
 naming the argument: nothing is redistributed into a temporary the kernel would update instead.
+
+``torch.optim.Rprop`` uses two more ops DTensor cannot run on a sharded tensor in place:
+``_foreach_copy_`` (no rule at all) becomes one ``copy_`` per index when a destination is ours, and
+``t[mask] = value`` (``index_put_`` with a boolean mask of ``t``'s shape and rows, and a
+one-element value) runs on the local pieces -- element-wise writes, so each rank's rows are the
+whole write restricted to them. Other ``index_put_`` forms are left to DTensor.
 """
 
 from __future__ import annotations
@@ -215,6 +221,46 @@ def _fused_elementwise_handler(op_call, args, kwargs):
     return op_call(*local_args, **local_kwargs)
 
 
+def _foreach_copy_handler(op_call, args, kwargs):
+    """``_foreach_copy_(dsts, srcs)`` (``torch.optim.Rprop(foreach=True)``), which DTensor has no
+    rule for, as one ``copy_`` per index when a destination is ours: each copy lines the source's
+    rows up with its destination's (see :func:`_copy_handler`), nothing is written into a
+    temporary."""
+    dsts, srcs = args[0], args[1]
+    if torch.compiler.is_compiling() or not any(_ours(d) for d in dsts):
+        return _default(op_call, args, kwargs)
+    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    for d, src in zip(dsts, srcs, strict=True):
+        d.copy_(src, non_blocking=non_blocking)
+
+
+def _masked_put_handler(op_call, args, kwargs):
+    """``t[mask] = value`` (``index_put_`` with one boolean index of ``t``'s shape and a
+    one-element value: ``torch.optim.Rprop`` writes its step-size factors so) on one of our
+    DTensors, run on the local pieces when the mask holds the same rows: element by element, the
+    local write is the global one restricted to this rank's rows. DTensor refuses it in place
+    ("in-place operations that require placement changes"); anything else is left to it."""
+    self, indices = args[0], args[1]
+    values = args[2] if len(args) > 2 else kwargs.get("values")
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    mask = indices[0] if len(indices) == 1 else None
+    local_values = values.to_local() if isinstance(values, DTensor) and all(p.is_replicate() for p in values.placements) else values
+    if (
+        torch.compiler.is_compiling()
+        or not (_ours(self) and isinstance(mask, DTensor) and mask.dtype == torch.bool and mask.shape == self.shape)
+        or isinstance(local_values, DTensor)
+        or not isinstance(local_values, torch.Tensor)
+        or local_values.numel() != 1
+        or mask.device_mesh != self.device_mesh
+        or not all(
+            a == b and getattr(a, "rows", None) == getattr(b, "rows", None) for a, b in zip(mask.placements, self.placements)
+        )
+    ):
+        return _default(op_call, args, kwargs)
+    self._local_tensor.index_put_([mask._local_tensor], local_values, accumulate)
+    return self
+
+
 def _default(op_call, args, kwargs):
     previous = _previous.get(op_call)
     if previous is not None:
@@ -239,6 +285,8 @@ _HANDLERS = {
     _aten._fused_sgd_.tensor_lr: _fused_elementwise_handler,
     _aten._fused_adagrad_.default: _fused_elementwise_handler,
     _aten._fused_adagrad_.tensor_lr: _fused_elementwise_handler,
+    _aten._foreach_copy_.default: _foreach_copy_handler,
+    _aten.index_put_.default: _masked_put_handler,
 }
 
 
