@@ -76,6 +76,7 @@ import sys
 
 import torch
 import torch.distributed.tensor as _dtensor_pkg
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
@@ -255,6 +256,22 @@ def _as(ref, t: int):
     return RowShard(t, ref.rows) if isinstance(ref, RowShard) else Shard(t)
 
 
+def _nested_like(args, base):
+    """``base`` (a suggested schema's arguments) nested as ``args`` are: for ops taking a tensor
+    list (``cat``, ``stack``) DTensor's suggestion holds the list's specs flattened into the
+    arguments (its dispatcher flattens both sides anyway)."""
+    def spec_lists(xs):
+        return any(isinstance(x, (list, tuple)) and any(isinstance(y, DTensorSpec) for y in x) for x in xs)
+
+    if not spec_lists(args) or spec_lists(base):
+        return base  # nothing flattened (other differences, e.g. squeeze's rewritten dims, are meant)
+    leaves = pytree.tree_leaves(base)
+    structure = pytree.tree_structure(tuple(args))
+    if structure.num_leaves != len(leaves):
+        return base
+    return pytree.tree_unflatten(leaves, structure)
+
+
 def _align(op_schema, out, move: bool) -> bool:
     """Make every set of inputs the op combines row by row hold the same rows (see the module
     docstring, "Mixed splits") and relabel the outputs with that split. Returns whether an output
@@ -264,6 +281,7 @@ def _align(op_schema, out, move: bool) -> bool:
     break what the graph computes correctly."""
     args = op_schema.args_schema
     base = out.redistribute_schema.args_schema if out.redistribute_schema is not None else args
+    base = _nested_like(args, base)
     want = [list(a) if isinstance(a, (list, tuple)) else a for a in base]  # desired input specs
     outs = _output_specs(out)
     new_outs = list(outs)
