@@ -82,6 +82,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
 
 from .placement import RowShard, chunk_rows
+from .row_views import view_sharding
 
 try:
     from torch.distributed._functional_collectives import _are_we_tracing
@@ -573,6 +574,9 @@ def install() -> None:
     inner = prop.propagate_op_sharding_non_cached
 
     def propagate_op_sharding_non_cached(op_schema):
+        flat = view_sharding(op_schema)  # views merging / splitting our dim 0 (row_views.py)
+        if flat is not None:
+            return flat
         return _rewrite(prop, op_schema, inner(op_schema))
 
     prop.propagate_op_sharding_non_cached = propagate_op_sharding_non_cached
