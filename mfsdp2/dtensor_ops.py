@@ -244,20 +244,18 @@ def _masked_put_handler(op_call, args, kwargs):
     values = args[2] if len(args) > 2 else kwargs.get("values")
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
     mask = indices[0] if len(indices) == 1 else None
-    local_values = values.to_local() if isinstance(values, DTensor) and all(p.is_replicate() for p in values.placements) else values
+    if isinstance(values, DTensor) and all(p.is_replicate() for p in values.placements):
+        values = values.to_local()
     if (
         torch.compiler.is_compiling()
-        or not (_ours(self) and isinstance(mask, DTensor) and mask.dtype == torch.bool and mask.shape == self.shape)
-        or isinstance(local_values, DTensor)
-        or not isinstance(local_values, torch.Tensor)
-        or local_values.numel() != 1
+        or not _ours(self)
+        or not (isinstance(mask, DTensor) and mask.dtype == torch.bool and mask.shape == self.shape)
+        or not (isinstance(values, torch.Tensor) and not isinstance(values, DTensor) and values.numel() == 1)
         or mask.device_mesh != self.device_mesh
-        or not all(
-            a == b and getattr(a, "rows", None) == getattr(b, "rows", None) for a, b in zip(mask.placements, self.placements)
-        )
+        or not all(a == b and getattr(a, "rows", None) == getattr(b, "rows", None) for a, b in zip(mask.placements, self.placements))
     ):
         return _default(op_call, args, kwargs)
-    self._local_tensor.index_put_([mask._local_tensor], local_values, accumulate)
+    self._local_tensor.index_put_([mask._local_tensor], values, accumulate)
     return self
 
 
