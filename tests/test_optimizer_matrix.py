@@ -191,7 +191,8 @@ def _matrix_rank(rank, ws, strategy, case_list, with_fsdp2):
     from mfsdp2 import fully_shard
 
     cfg = dict(STRATEGIES[strategy])
-    mesh = init_device_mesh("cpu", cfg.pop("mesh_shape", (ws,)))
+    shape = cfg.pop("mesh_shape", (ws,))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else None)
     if cfg.get("offload_policy") == "cpu":
         cfg["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     makers = {"mfsdp2": lambda: shard_blocks(build("net", dtype=F64), mesh, fully_shard, **cfg)}
