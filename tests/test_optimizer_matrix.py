@@ -28,7 +28,8 @@ computing in the gradient's dtype (float64), unsharded and sharded alike: the sh
 The resumed run is compared with the unsharded run's own resumed step: torch's
 ``Optimizer.load_state_dict`` casts float32 scalar states (ASGD's ``eta`` / ``mu``, NAdam's
 ``mu_product``) to the parameters' dtype, so a resumed run differs from an uninterrupted one by that
-cast, sharded or not (NAdam's parameters by ~1e-9 relative); everything else equals it.
+cast, sharded or not (NAdam's parameters by ~1e-9 relative). For every other optimizer the resumed
+step must also equal the run's own uninterrupted step bit for bit.
 
 The matrix (``works``: equal to the unsharded run; the same in every column unless said):
 
@@ -225,7 +226,7 @@ def _check(runtime: str, name: str, impl: str, strategy: str, per_rank: list, ex
     if isinstance(ref, str):
         return [f"{where}: worked, but the unsharded run raised {ref[:300]}"]
     got = oc.gather_snapshots([r[1] for r in per_rank])
-    diffs = oc.differences(got, ref, REL_F64)
+    diffs = oc.differences(got, ref, REL_F64) + oc.resume_differences(name, got)
     return [f"{where}: {d}" for d in diffs[:6]] + ([f"{where}: ... {len(diffs) - 6} more"] if len(diffs) > 6 else [])
 
 
