@@ -42,10 +42,16 @@ spec; the result is the whole tensor's, as for FSDP2.
 Fused optimizer kernels DTensor has no sharding rule for -- ``_fused_sgd_`` and
 ``_fused_adagrad_`` (``torch.optim.SGD`` / ``Adagrad(fused=True)``; FSDP2 raises "does not have a
 sharding strategy" for them) -- run on the local pieces when our parameters are among their
-arguments: each updates parameter i from gradient i and state i alone, element by element, so the
+arguments (``RowShard`` pieces, or whole replicated parameters under ``no_shard``): each updates parameter i from gradient i and state i alone, element by element, so the
 kernel on this rank's rows is the full kernel restricted to them. Every DTensor of index i must
 hold the same rows (mesh and placements equal, row counts included), else the call is refused
 naming the argument: nothing is redistributed into a temporary the kernel would update instead.
+
+``torch.optim.Rprop`` uses two more ops DTensor cannot run on a sharded tensor in place:
+``_foreach_copy_`` (no rule at all) becomes one ``copy_`` per index when a destination is ours, and
+``t[mask] = value`` (``index_put_`` with a boolean mask of ``t``'s shape and rows, and a
+one-element value) runs on the local pieces -- element-wise writes, so each rank's rows are the
+whole write restricted to them. Other ``index_put_`` forms are left to DTensor.
 """
 
 from __future__ import annotations
@@ -190,10 +196,17 @@ def _local_of(t, i: int, name: str, spec):
     return t._local_tensor
 
 
+def _ours(t) -> bool:
+    """A DTensor laid out as our parameters are: ``RowShard`` on some mesh dims and ``Replicate``
+    on the others, or ``Replicate`` on all (``no_shard``: every rank holds the whole parameter).
+    torch FSDP2's ``Shard(0)`` parameters never are."""
+    return isinstance(t, DTensor) and all(isinstance(pl, (RowShard, Replicate)) for pl in t.placements)
+
+
 def _fused_elementwise_handler(op_call, args, kwargs):
     lists = [a for a in args if isinstance(a, (list, tuple))]
     params = lists[0] if lists else []
-    ours = any(isinstance(p, DTensor) and any(isinstance(pl, RowShard) for pl in p.placements) for p in params)
+    ours = any(_ours(p) for p in params)
     if not ours or torch.compiler.is_compiling():
         return _default(op_call, args, kwargs)  # DTensor's own verdict (torch has no rule: it raises)
     names = [a.name for a in op_call._schema.arguments]
@@ -206,6 +219,44 @@ def _fused_elementwise_handler(op_call, args, kwargs):
         local_args.append(a)
     local_kwargs = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in kwargs.items()}
     return op_call(*local_args, **local_kwargs)
+
+
+def _foreach_copy_handler(op_call, args, kwargs):
+    """``_foreach_copy_(dsts, srcs)`` (``torch.optim.Rprop(foreach=True)``), which DTensor has no
+    rule for, as one ``copy_`` per index when a destination is ours: each copy lines the source's
+    rows up with its destination's (see :func:`_copy_handler`), nothing is written into a
+    temporary."""
+    dsts, srcs = args[0], args[1]
+    if torch.compiler.is_compiling() or not any(_ours(d) for d in dsts):
+        return _default(op_call, args, kwargs)
+    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    for d, src in zip(dsts, srcs, strict=True):
+        d.copy_(src, non_blocking=non_blocking)
+
+
+def _masked_put_handler(op_call, args, kwargs):
+    """``t[mask] = value`` (``index_put_`` with one boolean index of ``t``'s shape and a
+    one-element value: ``torch.optim.Rprop`` writes its step-size factors so) on one of our
+    DTensors, run on the local pieces when the mask holds the same rows: element by element, the
+    local write is the global one restricted to this rank's rows. DTensor refuses it in place
+    ("in-place operations that require placement changes"); anything else is left to it."""
+    self, indices = args[0], args[1]
+    values = args[2] if len(args) > 2 else kwargs.get("values")
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    mask = indices[0] if len(indices) == 1 else None
+    if isinstance(values, DTensor) and all(p.is_replicate() for p in values.placements):
+        values = values.to_local()
+    if (
+        torch.compiler.is_compiling()
+        or not _ours(self)
+        or not (isinstance(mask, DTensor) and mask.dtype == torch.bool and mask.shape == self.shape)
+        or not (isinstance(values, torch.Tensor) and not isinstance(values, DTensor) and values.numel() == 1)
+        or mask.device_mesh != self.device_mesh
+        or not all(a == b and getattr(a, "rows", None) == getattr(b, "rows", None) for a, b in zip(mask.placements, self.placements))
+    ):
+        return _default(op_call, args, kwargs)
+    self._local_tensor.index_put_([mask._local_tensor], values, accumulate)
+    return self
 
 
 def _default(op_call, args, kwargs):
@@ -232,6 +283,8 @@ _HANDLERS = {
     _aten._fused_sgd_.tensor_lr: _fused_elementwise_handler,
     _aten._fused_adagrad_.default: _fused_elementwise_handler,
     _aten._fused_adagrad_.tensor_lr: _fused_elementwise_handler,
+    _aten._foreach_copy_.default: _foreach_copy_handler,
+    _aten.index_put_.default: _masked_put_handler,
 }
 
 

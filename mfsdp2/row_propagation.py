@@ -31,6 +31,16 @@ result keeps), and the outputs carry it. DTensor then redistributes the others; 
 where two dim-0 splits differ, and reduces a ``Partial`` into our rows the same way (its own
 reduce-scatter splits by ``torch.chunk``). So ``p + q`` holds ``p``'s rows, ``q + p`` ``q``'s.
 
+Transposes. ``p.T`` (Muon's Newton-Schulz iteration works on it, so does user code) holds our rows
+along tensor dim 1; DTensor labelled it a plain ``Shard(1)``, and the next op that moved it --
+``full_tensor()``, or Muon's ``p.add_(update)`` -- split by ``torch.chunk``: gloo aborted on a size
+mismatch, or one rank raised while the other waited. The rules above apply to every tensor dim:
+an output ``Shard(t)`` whose size matches a class of inputs holding our split becomes
+``RowShard(t, rows)``, and inputs sharded along dims of one size on a mesh dim are aligned whatever
+dims they are (``x @ x.T`` contracts dim 1 of one with dim 0 of the other; each rank's pieces hold
+the same rows of both). Moving ours to another tensor dim (or a chunk split to ours on another
+dim) goes through ``Replicate``, as a change of rows does.
+
 The caches. ``RowShard`` must compare equal to ``Shard(0)`` placement by placement (that is how
 DTensor's rules accept it as a dim-0 shard without redistributing), but a cached decision made for
 a ``torch.chunk``-sharded tensor must never serve ours, nor the reverse. The rewrite happens before
@@ -66,11 +76,13 @@ import sys
 
 import torch
 import torch.distributed.tensor as _dtensor_pkg
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
 
 from .placement import RowShard, chunk_rows, wrap_local
+from .row_views import view_sharding
 
 try:
     from torch.distributed._functional_collectives import _are_we_tracing
@@ -90,16 +102,18 @@ def _specs(obj: Any):
             yield from _specs(o)
 
 
-def _dim0(pl) -> bool:
-    """A placement that shards tensor dim 0 by plain rows: ``Shard(0)`` (torch.chunk) or ours."""
-    return (type(pl) is Shard or isinstance(pl, RowShard)) and pl.dim == 0
+def _shard_dim(pl) -> Optional[int]:
+    """The tensor dim a placement splits into plain slices: ``Shard(t)`` (torch.chunk) or ours
+    (``RowShard(t)``: dim 0 on a parameter, another dim on a transpose of one). None: not one."""
+    return pl.dim if type(pl) is Shard or isinstance(pl, RowShard) else None
 
 
-def _rows_of(spec) -> Optional[int]:
+def _size(spec, t: Optional[int]) -> Optional[int]:
+    """``spec``'s size along tensor dim ``t`` (None: no such dim, or a symbolic size)."""
     meta = spec.tensor_meta
-    if meta is None or len(meta.shape) == 0 or type(meta.shape[0]) is not int:
+    if t is None or meta is None or not 0 <= t < len(meta.shape) or type(meta.shape[t]) is not int:
         return None  # symbolic sizes (dynamic-shape tracing): no guard is added for us
-    return meta.shape[0]
+    return meta.shape[t]
 
 
 def _get(args, pos):
@@ -116,8 +130,8 @@ def _put(args: list, pos, spec) -> None:
 
 
 def _with(spec: DTensorSpec, d: int, pl) -> DTensorSpec:
-    """``spec`` with placement ``pl`` on mesh dim ``d`` (a dim-0 shard for a dim-0 shard: the
-    shard order stays valid)."""
+    """``spec`` with placement ``pl`` on mesh dim ``d`` (a shard of the same tensor dim as the one
+    it replaces: the shard order stays valid)."""
     new = list(spec.placements)
     new[d] = pl
     return dataclasses.replace(spec, placements=tuple(new))
@@ -198,8 +212,8 @@ def _moves(cur: DTensorSpec, tgt: DTensorSpec) -> bool:
     for d, (c, t) in enumerate(zip(cur.placements, tgt.placements)):
         if c != t or _mixes_row_and_chunk((c,), (t,)):
             return True
-        n = _rows_of(cur)
-        if n is not None and _dim0(c) and _split(c, n, cur.mesh.size(d)) != _split(t, n, cur.mesh.size(d)):
+        n = _size(cur, _shard_dim(c))
+        if n is not None and _split(c, n, cur.mesh.size(d)) != _split(t, n, cur.mesh.size(d)):
             return True
     return False
 
@@ -214,16 +228,49 @@ def _output_specs(out) -> list:
     return [spec] if isinstance(spec, DTensorSpec) else list(spec) if isinstance(spec, (list, tuple)) else []
 
 
-def _dim0_classes(want, positions, d: int) -> dict[int, list]:
-    """The inputs the chosen strategy wants sharded on tensor dim 0 over mesh dim ``d``, by their
-    dim-0 size (inputs of one size are combined row by row)."""
+def _shard_classes(want, positions, d: int) -> dict[int, list]:
+    """The inputs the chosen strategy wants sharded (on any tensor dim) over mesh dim ``d``, by
+    the size of that tensor dim: on one mesh dim the kernel combines each rank's pieces as they
+    are, so inputs sharded there along dims of one size are combined slice by slice -- element
+    by element (``p + q``) or in a contraction (``x @ x.T``: dim 1 of one with dim 0 of the
+    other)."""
     classes: dict[int, list] = {}
     for p in positions:
         w = _get(want, p)
-        n = _rows_of(w)
-        if n is not None and _dim0(w.placements[d]):
+        n = _size(w, _shard_dim(w.placements[d]))
+        if n is not None:
             classes.setdefault(n, []).append(p)
     return classes
+
+
+def _current_split(args, want, p, d: int, n: int, k: int) -> Optional[tuple[int, ...]]:
+    """The split input ``p`` holds now along the tensor dim it is wanted sharded on (None: it is
+    not sharded along that dim now: replicated, partial, or sharded along another dim)."""
+    cur, w = _get(args, p).placements[d], _get(want, p).placements[d]
+    return _split(cur, n, k) if _shard_dim(cur) == _shard_dim(w) else None
+
+
+def _as(ref, t: int):
+    """``ref``'s split (ours or torch.chunk's) as a placement of tensor dim ``t``."""
+    if ref.dim == t:
+        return ref
+    return RowShard(t, ref.rows) if isinstance(ref, RowShard) else Shard(t)
+
+
+def _nested_like(args, base):
+    """``base`` (a suggested schema's arguments) nested as ``args`` are: for ops taking a tensor
+    list (``cat``, ``stack``) DTensor's suggestion holds the list's specs flattened into the
+    arguments (its dispatcher flattens both sides anyway)."""
+    def spec_lists(xs):
+        return any(isinstance(x, (list, tuple)) and any(isinstance(y, DTensorSpec) for y in x) for x in xs)
+
+    if not spec_lists(args) or spec_lists(base):
+        return base  # nothing flattened (other differences, e.g. squeeze's rewritten dims, are meant)
+    leaves = pytree.tree_leaves(base)
+    structure = pytree.tree_structure(tuple(args))
+    if structure.num_leaves != len(leaves):
+        return base
+    return pytree.tree_unflatten(leaves, structure)
 
 
 def _align(op_schema, out, move: bool) -> bool:
@@ -235,6 +282,7 @@ def _align(op_schema, out, move: bool) -> bool:
     break what the graph computes correctly."""
     args = op_schema.args_schema
     base = out.redistribute_schema.args_schema if out.redistribute_schema is not None else args
+    base = _nested_like(args, base)
     want = [list(a) if isinstance(a, (list, tuple)) else a for a in base]  # desired input specs
     outs = _output_specs(out)
     new_outs = list(outs)
@@ -246,29 +294,34 @@ def _align(op_schema, out, move: bool) -> bool:
         mesh = _get(args, positions[0]).mesh if positions else None
         for d in range(mesh.ndim if mesh is not None else 0):
             k = mesh.size(d)
-            for n, members in _dim0_classes(want, positions, d).items():
-                # The split of the first input already sharded on dim 0 here does not move (written
-                # inputs come first: an in-place op's self, whose rows the result keeps, an
-                # optimizer's parameter). None: every such input is gathered or reduced first,
-                # DTensor's own plan.
-                ref = next((_get(args, p).placements[d] for p in members if _dim0(_get(args, p).placements[d])), None)
+            for n, members in _shard_classes(want, positions, d).items():
+                # The split of the first input already sharded here along the dim it is wanted
+                # sharded on does not move (written inputs come first: an in-place op's self,
+                # whose rows the result keeps, an optimizer's parameter). None: every such input
+                # is gathered, reduced or re-split first, DTensor's own plan.
+                ref = next(
+                    (_get(args, p).placements[d] for p in members if _current_split(args, want, p, d, n, k) is not None),
+                    None,
+                )
                 if ref is None:
                     continue
                 rows = _split(ref, n, k)
-                if not move and any(_split(_get(args, p).placements[d], n, k) != rows for p in members):
+                if not move and any(_current_split(args, want, p, d, n, k) != rows for p in members):
                     continue
                 for p in members:
                     w = _get(want, p)
-                    if type(w.placements[d]) is not type(ref) or _split(w.placements[d], n, k) != rows:
-                        _put(want, p, _with(w, d, ref))
-                        moved = moved or _split(_get(args, p).placements[d], n, k) != rows
+                    target = _as(ref, _shard_dim(w.placements[d]))
+                    if type(w.placements[d]) is not type(target) or _split(w.placements[d], n, k) != rows:
+                        _put(want, p, _with(w, d, target))
+                        moved = moved or _current_split(args, want, p, d, n, k) != rows
                 if not isinstance(ref, RowShard):
                     continue
                 for o in range(len(new_outs)) if out_idx is None else [out_idx]:
                     spec = new_outs[o] if o < len(new_outs) else None
-                    if isinstance(spec, DTensorSpec) and _rows_of(spec) == n and type(spec.placements[d]) is Shard:
-                        if spec.placements[d].dim == 0:
-                            new_outs[o] = _with(spec, d, ref)
+                    if isinstance(spec, DTensorSpec) and type(spec.placements[d]) is Shard:
+                        t = spec.placements[d].dim
+                        if _size(spec, t) == n:
+                            new_outs[o] = _with(spec, d, _as(ref, t))
     if move and (moved or out.needs_redistribute):
         _refuse_written_moves(op_schema, want)
     if moved or out.redistribute_schema is not None:
@@ -433,21 +486,26 @@ def _replace_everywhere(attr: str, plain, wrapped) -> None:
 
 
 def _split(pl, n: int, k: int) -> Optional[tuple[int, ...]]:
-    """The rows per rank a dim-0 placement means for ``n`` rows over ``k`` ranks (None: not one)."""
+    """The slices per rank a shard placement means for a dim of ``n`` over ``k`` ranks (None: not
+    a shard)."""
     if isinstance(pl, RowShard):
         return tuple(pl.rows)
-    if isinstance(pl, Shard) and pl.dim == 0:
+    if isinstance(pl, Shard):
         return chunk_rows(n, k)
     return None
 
 
 def _rows_move(cur, tgt, k: int) -> bool:
-    """Whether going from placement ``cur`` to ``tgt`` on one mesh dimension (``k`` ranks) moves
-    dim-0 rows between ranks although DTensor sees two equal ``Shard(0)`` and would move none."""
+    """Whether going from placement ``cur`` to ``tgt`` on one mesh dimension (``k`` ranks) must go
+    through ``Replicate`` because one of them is ours: the same tensor dim split differently
+    (DTensor sees two equal ``Shard(t)`` and would move nothing), or another tensor dim (DTensor
+    would re-split by ``torch.chunk`` whatever split the target names)."""
     if not (isinstance(cur, RowShard) or isinstance(tgt, RowShard)):
         return False
-    if not (isinstance(cur, Shard) and isinstance(tgt, Shard)) or cur.dim != 0 or tgt.dim != 0:
+    if not (isinstance(cur, Shard) and isinstance(tgt, Shard)):
         return False
+    if cur.dim != tgt.dim:
+        return True
     n = sum(cur.rows) if isinstance(cur, RowShard) else sum(tgt.rows)
     return _split(cur, n, k) != _split(tgt, n, k)
 
@@ -475,9 +533,9 @@ def _wrap_redistribute(plain_redistribute):
 
 
 def _via_replicate(cur, tgt, k: int) -> bool:
-    """Whether ``cur -> tgt`` on one mesh dimension must go through ``Replicate``: dim-0 rows that
-    the two splits place differently (DTensor sees equal placements and moves nothing), or a
-    ``Partial`` reduced into our rows (DTensor's reduce-scatter splits by ``torch.chunk``)."""
+    """Whether ``cur -> tgt`` on one mesh dimension must go through ``Replicate``: a change of
+    split DTensor cannot see (:func:`_rows_move`), or a ``Partial`` reduced into our rows
+    (DTensor's reduce-scatter splits by ``torch.chunk``)."""
     if _rows_move(cur, tgt, k):
         return True
     return isinstance(tgt, RowShard) and cur.is_partial()
@@ -529,6 +587,9 @@ def install() -> None:
     inner = prop.propagate_op_sharding_non_cached
 
     def propagate_op_sharding_non_cached(op_schema):
+        flat = view_sharding(op_schema)  # views merging / splitting our dim 0 (row_views.py)
+        if flat is not None:
+            return flat
         return _rewrite(prop, op_schema, inner(op_schema))
 
     prop.propagate_op_sharding_non_cached = propagate_op_sharding_non_cached

@@ -2,7 +2,9 @@
 gradients a gathered unit still holds unreduced, one of an optimizer built before
 ``fully_shard`` (E54, :func:`_check_replaced`), whose parameters no forward reads any more, and
 one that would leave out micro-batches accumulated with gradient sync off (E55,
-:func:`_check_unsynced`).
+:func:`_check_unsynced`); and the step of an optimizer that cannot update row-sharded parameters
+at all (E60, :func:`_check_supported`: ``torch.optim.Adafactor``), refused before it starts, with
+the reason, instead of DTensor's error from inside it.
 
 Why: mfsdp2 reduces the gradients autograd accumulates into a unit's gathered (unsharded)
 parameters at the end of each backward. Gradients written there *outside* a backward -- torch
@@ -23,12 +25,13 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed.tensor import Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .shared_params import _OWNER, _original
 from .state import RootContext, ShardState
 
-__all__ = ["watch", "UnreducedGradientsError", "StaleParameterError", "UnsyncedGradientsError"]
+__all__ = ["watch", "UnreducedGradientsError", "StaleParameterError", "UnsyncedGradientsError", "UnsupportedOptimizerError"]
 
 _contexts: "weakref.WeakSet[RootContext]" = weakref.WeakSet()
 _hook_handle = None
@@ -120,8 +123,55 @@ def _check_unsynced(optimizer) -> None:
         )
 
 
+class UnsupportedOptimizerError(RuntimeError):
+    """An optimizer step that cannot be computed on row-sharded parameters."""
+
+
+# Optimizers that reduce over the rows of a parameter inside in-place updates, with why.
+_ROW_REDUCING = {
+    "Adafactor": (
+        "it factors the second moment of every matrix into row and column means, and the column mean "
+        "sums over rows that other ranks hold: a partial sum, which DTensor cannot update in place "
+        "(torch FSDP2 raises 'in-place operations that require placement changes are not supported' "
+        "there)"
+    ),
+}
+_supported: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _check_supported(optimizer) -> None:
+    """Refuse, before it starts, the step of an optimizer that cannot update row-sharded matrices
+    (``_ROW_REDUCING``): it would fail inside the step with DTensor's error about an aten op.
+    Its vectors, and every parameter of ``no_shard`` units (whole on every rank), are fine.
+    Checked once per optimizer and parameter count."""
+    n = sum(len(group["params"]) for group in optimizer.param_groups)
+    why = _ROW_REDUCING.get(type(optimizer).__name__) if type(optimizer).__module__.startswith("torch.optim") else None
+    if why is None or _supported.get(optimizer) == n:
+        return
+    sharded = {
+        id(dp): (s, g.infos[i][0].fqn)
+        for ctx in list(_contexts)
+        for s in ctx.states
+        for g in s.groups
+        for i, dp in enumerate(g.dist_params)
+        if dp.dim() >= 2 and any(isinstance(pl, Shard) for pl in dp.placements)  # RowShard: rows split
+    }
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in sharded:
+                s, fqn = sharded[id(p)]
+                raise UnsupportedOptimizerError(
+                    f"mfsdp2: torch.optim.{type(optimizer).__name__} cannot step sharded parameter {fqn!r} of unit "
+                    f"{s.name!r}: {why}. Shard that unit with sharding_strategy='no_shard' (every rank holds "
+                    "whole parameters), pass such matrices as ignored_params, or step them with another "
+                    "optimizer (its vectors are fine)"
+                )
+    _supported[optimizer] = n
+
+
 def _check(optimizer, args, kwargs) -> None:
     _check_replaced(optimizer)
+    _check_supported(optimizer)
     if torch._C._current_graph_task_id() != -1:
         return  # a step inside backward (optimizer-in-backward)
     _check_unsynced(optimizer)

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from mfsdp2 import CollectiveError, MixedPrecisionPolicy
 from mfsdp2.fully_shard import AlreadyShardedError, InvalidShardDimError
 from mfsdp2.module import NotAnFSDPModuleError
-from mfsdp2.step_guard import StaleParameterError, UnreducedGradientsError, UnsyncedGradientsError
+from mfsdp2.step_guard import StaleParameterError, UnreducedGradientsError, UnsupportedOptimizerError, UnsyncedGradientsError
 
 from ._dist import run_ranks
 from .models import Net, batch, build, loss_fn
@@ -86,6 +86,7 @@ EXPECTED = {
     "E57": (RuntimeError, "have different dtypes after some of them were converted or replaced"),
     "E58": (RuntimeError, "parameter 'fc1.weight' of unit 'blocks.0' was converted (.to / to_empty / .half ...) after the first forward"),
     "E54": (StaleParameterError, "SGD holds parameter 'inp.weight' of unit 'root' as it was before fully_shard"),
+    "E60": (UnsupportedOptimizerError, "torch.optim.Adafactor cannot step sharded parameter 'inp.weight' of unit 'root'"),
 }
 
 
@@ -281,6 +282,12 @@ def _rows_ws1(rank, ws):
     net.set_requires_gradient_sync(True)  # the last micro-batch syncs: the step goes through
     net(torch.zeros(1, 12)).sum().backward()
     opt.step()
+
+    # Adafactor on a row-sharded matrix (its vectors alone step).
+    net = _sharded_net(mesh)
+    net(torch.zeros(1, 12)).sum().backward()
+    _capture(out, "E60", lambda: torch.optim.Adafactor(net.parameters(), lr=0.01).step())
+    torch.optim.Adafactor([p for p in net.parameters() if p.dim() == 1], lr=0.01).step()
 
     # A backward that raised midway leaves its callback pending: the next forward must say so.
     net = _sharded_net(mesh)

@@ -45,6 +45,27 @@ OPS = {
     "sum_dim1": (lambda d: d.sum(1), lambda t: t.sum(1)),
     "abs_amax_dim1": (lambda d: d.abs().amax(dim=1), lambda t: t.abs().amax(dim=1)),
     "contiguous": (lambda d: d.contiguous(), lambda t: t),
+    # transposes (Muon's Newton-Schulz works on p.T): the split moves to dim 1 and back
+    "t": (lambda d: d.T, lambda t: t.T),
+    "t_mul_t": (lambda d: (d.T * 2).T, lambda t: t * 2),
+    "transpose_contiguous": (lambda d: d.transpose(0, 1).contiguous(), lambda t: t.T.contiguous()),
+    "permute_clone": (lambda d: d.permute(1, 0).clone(), lambda t: t.T.clone()),
+    "t_copy_into": (lambda d: torch.zeros_like(d.T).copy_(d.T), lambda t: t.T),
+    "add_t": (lambda d: d + d.T if d.shape[0] == d.shape[1] else d, lambda t: t + t.T if t.shape[0] == t.shape[1] else t),
+}
+
+
+# Ops that DTensor refuses for a torch.chunk split whose rows do not divide evenly ("Cannot flatten
+# unevenly sharded tensor", which torch FSDP2 raises too) but that our row blocks allow: merging
+# dim 0 with the dims after it (torch.optim.LBFGS flattens every gradient), splitting it back, and
+# concatenating flat views of several parameters.
+OURS_ONLY = {
+    "view_flat": (lambda d: d.view(-1), lambda t: t.view(-1)),
+    "flatten": (lambda d: d.flatten(), lambda t: t.flatten()),
+    "reshape_flat": (lambda d: d.reshape(-1), lambda t: t.reshape(-1)),
+    "flat_and_back": (lambda d: d.view(-1).mul(2).view(d.shape), lambda t: t * 2),
+    "cat": (lambda d: torch.cat([d, d * 2]), lambda t: torch.cat([t, t * 2])),
+    "cat_flat": (lambda d: torch.cat([d.view(-1), d.view(-1) + 1]), lambda t: torch.cat([t.view(-1), t.view(-1) + 1])),
 }
 
 
@@ -61,8 +82,8 @@ def _derived_ops(rank, ws, plain_first):
     mfsdp2_shard(model, mesh=mesh)
     wrong = []
 
-    def check(kind, name, d, t):
-        for op, (on_dtensor, on_full) in OPS.items():
+    def check(kind, name, d, t, ops=OPS):
+        for op, (on_dtensor, on_full) in ops.items():
             try:
                 got = on_dtensor(d).full_tensor()
             except Exception as e:  # an op that fails is as wrong as a wrong value
@@ -78,7 +99,25 @@ def _derived_ops(rank, ws, plain_first):
 
     def ours():
         for k, p in model.named_parameters():
-            check("mfsdp2", k, p, full[k])
+            check("mfsdp2", k, p, full[k], {**OPS, **OURS_ONLY})
+        params = list(model.parameters())
+        got = torch.cat([p.detach().view(-1) for p in params]).full_tensor()
+        if not torch.equal(got, torch.cat([t.view(-1) for t in full.values()])):
+            wrong.append(("mfsdp2", "all", "cat of every flat parameter", "wrong value"))
+        # Splitting a flat view into rows of another width: exact where every rank's block is whole
+        # rows of the result, refused naming the counts where a block would start inside a row.
+        from mfsdp2.placement import row_sharded_dtensor
+
+        t = torch.arange(6.0, dtype=torch.float64).view(3, 2)
+        d = row_sharded_dtensor(t[:2] if rank == 0 else t[2:], mesh, (2, 1), (3, 2))
+        if not torch.equal(d.view(-1).view(3, 2).full_tensor(), t):
+            wrong.append(("mfsdp2", "(3, 2) rows (2, 1)", "view(-1).view(3, 2)", "wrong value"))
+        try:
+            d.view(-1).view(2, 3)
+            wrong.append(("mfsdp2", "(3, 2) rows (2, 1)", "view(-1).view(2, 3)", "not refused"))
+        except RuntimeError as e:
+            if "mfsdp2: cannot view a row-sharded tensor of shape (6,) as (2, 3)" not in str(e):
+                wrong.append(("mfsdp2", "(3, 2) rows (2, 1)", "view(-1).view(2, 3)", f"raised {e}"[:160]))
 
     rows = {k: p.placements[0].rows for k, p in model.named_parameters()}
     if plain_first:
