@@ -362,11 +362,8 @@ def _refuse_out_mismatch(op_schema, out) -> None:
             continue
         if not any(isinstance(pl, RowShard) for pl in tuple(dst.placements) + tuple(res.placements)):
             continue
-        n = _rows_of(dst)
         same = dst.mesh == res.mesh and len(dst.placements) == len(res.placements) and all(
-            (c == t and not _mixes_row_and_chunk((c,), (t,)))
-            or (n is not None and _dim0(c) and _dim0(t) and _split(c, n, dst.mesh.size(d)) == _split(t, n, dst.mesh.size(d)))
-            for d, (c, t) in enumerate(zip(dst.placements, res.placements))
+            _same_slices(dst, c, t, dst.mesh.size(d)) for d, (c, t) in enumerate(zip(dst.placements, res.placements))
         )
         if not same:
             raise RuntimeError(
@@ -378,6 +375,16 @@ def _refuse_out_mismatch(op_schema, out) -> None:
     if any(a is not b for a, b in zip(results, new)):
         spec = out.output_spec
         out.output_spec = new[0] if isinstance(spec, DTensorSpec) else type(spec)(new)
+
+
+def _same_slices(spec: DTensorSpec, c, t, k: int) -> bool:
+    """Whether placements ``c`` and ``t`` of one mesh dimension (``k`` ranks) leave every rank the
+    same piece of ``spec``'s tensor."""
+    if c == t and not _mixes_row_and_chunk((c,), (t,)):
+        return True
+    dim = _shard_dim(c)
+    n = _size(spec, dim)
+    return n is not None and dim == _shard_dim(t) and _split(c, n, k) == _split(t, n, k)
 
 
 def _has_row_shard(op_schema) -> bool:
