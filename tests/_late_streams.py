@@ -333,3 +333,56 @@ class SimStreams:
     def close(self) -> None:
         for s in self.streams:
             s.close()
+
+
+# --------------------------------------------------------------------------------------------
+# preflight: does a CUDA gate hold a stream until opened, and release it then?
+# --------------------------------------------------------------------------------------------
+
+
+def gate_selftest(name: str, hold_s: float = 0.05, release_s: float = 5.0) -> dict:
+    """Arm gate ``name`` on a side stream, queue a copy behind it, and check that the copy has
+    not run ``hold_s`` later, that the current stream (not waiting) reads the old data, and that
+    the copy runs within ``release_s`` of opening. ``{"armed", "held", "stale_without_wait",
+    "released", "error"}``. Run it in a subprocess with a timeout: a gate the device never sees
+    opening leaves its stream stuck for good."""
+    import time
+
+    out = {"gate": name, "armed": False, "held": False, "stale_without_wait": False, "released": False, "error": ""}
+    kind = {"memop": _MemOpGate, "hostfunc": _HostFuncGate}[name]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    side = torch.cuda.Stream(dev)
+    x = torch.zeros(1 << 20, device=dev)
+    src = torch.full((1 << 20,), 7.0, pin_memory=True)
+    torch.cuda.synchronize()
+    try:
+        gate = kind()
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            token = gate.arm(side)
+            x.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(side)
+    except Exception as e:  # noqa: BLE001
+        out["error"] = repr(e)
+        return out
+    out["armed"] = True
+    time.sleep(hold_s)
+    out["held"] = not ev.query()
+    out["stale_without_wait"] = bool((x == 0).all())  # the current stream, no wait: old data
+    gate.open(token)
+    t0 = time.monotonic()
+    while not ev.query() and time.monotonic() - t0 < release_s:
+        time.sleep(0.001)
+    out["released"] = ev.query()
+    if out["released"]:
+        torch.cuda.current_stream(dev).wait_event(ev)
+        out["released"] = bool((x == 7).all())
+    return out
+
+
+if __name__ == "__main__":  # python -m tests._late_streams memop|hostfunc  (prints one JSON line)
+    import json
+    import sys
+
+    print(json.dumps(gate_selftest(sys.argv[1] if len(sys.argv) > 1 else "memop")))
