@@ -47,6 +47,7 @@ from .structures import map_tensors, tensors_in
 from .te import attach_main_grads
 from .state import FSDPState, RootContext, ShardState, TrainingState, unit_state
 from . import grad_presence, step_guard
+from .offload import settle_host_reads
 from .weight_watch import agree_on_gathers
 from .fp8 import gather_riders
 
@@ -489,6 +490,12 @@ def _final_callback(ctx: RootContext) -> None:
             if ctx.root.is_last_backward:  # else (set_is_last_backward(False)) they stay in flight
                 ctx.buckets.complete_all()
                 _drain(ctx, keep=0)
+                # CPU offload: the copies into host memory end before backward() returns (the
+                # host reads the gradients next), the copies out of it before the host writes.
+                for s in ctx.states:
+                    for g in s.groups:
+                        g.settle_copy_out()
+                settle_host_reads()
                 grad_presence.finish(ctx)
             pending = []
             for s in ctx.states:

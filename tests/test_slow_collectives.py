@@ -72,9 +72,11 @@ CUDA_CONFIGS = [
     ("caching", 2, "accumulate", "bf16", "gloo"),
 ]
 CUDA4_CONFIGS = [("trace_pool", 1, "plain", "fp64", "stream"), ("caching", 1, "accumulate", "bf16", "stream")]
-CASES = ([("cpu", 2, c) for c in CPU_CONFIGS] + [("cuda", 2, c) for c in CUDA_CONFIGS]
-         + [("cuda", 4, c) for c in CUDA4_CONFIGS])
-IDS = [f"{d}{ws}-" + "-".join(map(str, c)) for d, ws, c in CASES]
+_RUNS = [("cpu", 2, c) for c in CPU_CONFIGS] + [("cuda", 2, c) for c in CUDA_CONFIGS] + [("cuda", 4, c) for c in CUDA4_CONFIGS]
+# One launch of ranks per (device, world size) serves all its cases: under pytest -n
+# --dist loadgroup its cases stay on one worker.
+CASES = [pytest.param(d, ws, c, id=f"{d}{ws}-" + "-".join(map(str, c)), marks=pytest.mark.xdist_group(f"slow-{d}{ws}"))
+         for d, ws, c in _RUNS]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (two ranks share it)")
 
 
@@ -202,13 +204,13 @@ def _results(device: str, ws: int) -> list:
         pytest.skip("needs a CUDA GPU (two ranks share it)")
     key = (device, ws)
     if key not in _CACHE:
-        configs = [c for d, w, c in CASES if (d, w) == key]
+        configs = [c for d, w, c in _RUNS if (d, w) == key]
         _CACHE[key] = run_ranks(_runs, ws, device, configs, timeout=600)
     return _CACHE[key]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device, ws, cfg", CASES, ids=IDS)
+@pytest.mark.parametrize("device, ws, cfg", CASES)
 def test_training_with_slow_collectives_matches_the_reference_and_the_undelayed_run(device, ws, cfg):
     runs = _results(device, ws)
     ref = _reference(cfg[2], ws) if cfg[3] == "fp64" else None
@@ -239,7 +241,7 @@ def _forward_prefetched(log: list) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device, ws, cfg", CASES, ids=IDS)
+@pytest.mark.parametrize("device, ws, cfg", CASES)
 def test_event_order_does_not_depend_on_collective_speed(device, ws, cfg):
     for r in _results(device, ws):
         c = r[cfg]
@@ -251,6 +253,7 @@ def test_event_order_does_not_depend_on_collective_speed(device, ws, cfg):
 
 @pytest.mark.slow
 @needs_cuda
+@pytest.mark.xdist_group("slow-cuda2")
 def test_real_gloo_with_cuda_tensors_trains_like_the_reference_without_blocking_the_host():
     runs = _results("cuda", 2)
     ref = _reference("plain", 2)

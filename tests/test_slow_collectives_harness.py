@@ -23,6 +23,7 @@ from ._slow_collectives import SlowCollectives
 
 DELAY = 0.05
 WS = 2
+pytestmark = pytest.mark.xdist_group("harness")  # one launch of ranks serves the module
 
 
 def _gathered(ws: int) -> torch.Tensor:
