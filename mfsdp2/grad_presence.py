@@ -111,10 +111,7 @@ def _missing(groups: list) -> list[tuple[str, torch.Tensor]]:
         for i, had in enumerate(g.local_grad_flags):
             if had or g.dist_params[i].grad is not None:
                 continue
-            if g.full_grads and g.main_grad_full is not None:
-                piece = g.weights.param_view(g.main_grad_full, i)
-            else:
-                piece = g.weights.piece_view(g.main_grad, i)
+            piece = g.weights.piece_view(g.main_grad, i)  # this rank's rows: reduced in every strategy
             if piece.numel():
                 out.append((f"{g.unit_name}: {g.infos[i][0].fqn}" if g.infos[i] else f"{g.name}[{i}]", piece))
     return out

@@ -321,7 +321,7 @@ class FSDPModule:
         """Whether the next backward is the last before the optimizer step (FSDP2's meaning).
         False: the final callback leaves the last reductions in flight -- they overlap the next
         micro-batch's forward and finish at its backward -- and skips the end-of-backward
-        gradient-presence all-reduce, so ``.grad`` is not complete yet. True (default): every
+        gradient-presence step (:mod:`mfsdp2.grad_presence`), so ``.grad`` is not complete yet. True (default): every
         reduction is finished and every gradient exposed. Like FSDP2's flag it is model-wide:
         every rank must pass the same value."""
         state = self._mfsdp2_state

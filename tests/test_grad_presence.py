@@ -34,6 +34,7 @@ from .models import F64, batch, build, loss_fn, make_opt
 from .test_parity import _Routed
 
 WS, GB = 2, 8
+STRATEGIES = ["optim_grads_params", "optim_grads", "optim", "no_shard"]
 NAMES = (compat.all_gather_name(), compat.reduce_scatter_name(), "all_reduce", "isend", "irecv")
 
 
@@ -118,10 +119,11 @@ def _run(rank, ws):
     out["zero3_opt_in"] = _steps(_shard(fully_shard, build("net", dtype=F64), mesh), rank, ws, (ws,), True)
     out["hsdp"] = _steps(_shard(fully_shard, build("net", dtype=F64), hsdp), rank, ws, (ws, 1), None)
     out["hsdp_opt_in"] = _steps(_shard(fully_shard, build("net", dtype=F64), hsdp), rank, ws, (ws, 1), True)
-    torch.manual_seed(0)
-    moe = _Routed().to(F64)
-    fully_shard(moe, mesh=mesh)
-    out["moe_error"] = _first_step_raises(moe, rank, ws)
+    for strategy in STRATEGIES:
+        torch.manual_seed(0)
+        moe = _Routed().to(F64)
+        fully_shard(moe, mesh=mesh, sharding_strategy=strategy)
+        out[f"moe_error_{strategy}"] = _first_step_raises(moe, rank, ws)
     return out
 
 
@@ -157,9 +159,11 @@ def test_hsdp_issues_no_presence_all_reduce_unless_asked(runs):
 
 
 @pytest.mark.slow
-def test_parameter_used_on_another_rank_only_fails_fast_without_the_opt_in(runs):
-    rank0, rank1 = runs[0]["moe_error"], runs[1]["moe_error"]
-    # rank 0 holds rows 0-3 of expert 0, whose reduced gradient came from rank 1 alone
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_parameter_used_on_another_rank_only_fails_fast_without_the_opt_in(runs, strategy):
+    rank0, rank1 = runs[0][f"moe_error_{strategy}"], runs[1][f"moe_error_{strategy}"]
+    # rank 0 holds rows of expert 0 (all of them under no_shard), whose reduced gradient came
+    # from rank 1 alone
     assert "experts.0.weight" in rank0 and "set_reduce_scatter_unused_params(True)" in rank0, rank0
     assert "step 1" in rank0, rank0
     assert rank1 == "", rank1  # it had the gradient: its own answer is complete
