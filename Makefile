@@ -57,3 +57,13 @@ bench-record: venv native
 	$(PY) benchmarks/scale.py --json $(R)/scale.json
 	$(PY) benchmarks/alpha_beta.py --json $(R)/alpha_beta.json
 	$(PY) benchmarks/step_model.py --json $(R)/step_model.json
+
+# One command for a lent GPU machine (tools/gpu_check.py, under 5 minutes there): the CUDA tests,
+# the two-ranks-on-one-GPU suite, benchmarks/gpu.py at world size 1 and the whole suite with
+# pytest -n 14, from this tree with the machine's own python and torch (nothing installed); the
+# summary (text + JSON) goes to $OUT when set, else gpu-check-results/. GPU_CHECK_DRY=1: the CPU
+# dry run of the same steps (tests/test_gpu_check.py runs it). GPU_CHECK_ARGS: e.g. --native.
+GPU_PYTHON ?= python3
+.PHONY: gpu-check
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) tools/gpu_check.py $(if $(GPU_CHECK_DRY),--dry-run) $(GPU_CHECK_ARGS)

@@ -37,6 +37,7 @@ import torch
 from . import compat
 from .comm import CommHandle, Communicator
 from .layout import BufferLayout
+from .offload import copy_from_main
 
 __all__ = ["DataParallelBuffer"]
 
@@ -200,7 +201,7 @@ class DataParallelBuffer:
         self.materialize(allocator, key)
         mine = self.local_slice(self._writer)
         if mine.data_ptr() != self.shard.data_ptr():  # a persistent buffer's shard is ``mine``
-            mine.copy_(self.shard)
+            copy_from_main(mine, self.shard)  # offloaded main shard: non-blocking from pinned memory
         return self.comm.all_gather(self._writer, mine, label)
 
     def place_rows(self, rows: torch.Tensor) -> None:

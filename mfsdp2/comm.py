@@ -4,10 +4,16 @@ The scheduler above never branches on the device: it calls :meth:`Communicator.a
 :meth:`Communicator.reduce_scatter` and later ``handle.wait()``.
 
 * CUDA: each kind of collective runs on its own side stream (all-gather, reduce-scatter, and one
-  for the HSDP all-reduce). Before the side stream touches parameter or gradient memory it waits on
-  the current stream: without that wait an async all-gather can read a shard the optimizer is still
-  writing (the root cause of a convergence divergence in Megatron-FSDP2). ``wait()`` makes the
-  current stream wait on an event recorded after the collective.
+  for the HSDP all-reduce), created at high priority as FSDP2's are (so the copies around them are
+  not queued behind compute kernels). Before the side stream touches parameter or gradient memory
+  it waits on the current stream: without that wait an async all-gather can read a shard the
+  optimizer is still writing (the root cause of a convergence divergence in Megatron-FSDP2).
+  ``wait()`` makes the current stream wait on an event recorded after the collective.
+  A *stream-ordered* backend (NCCL: :func:`stream_ordered_backend`) is called with
+  ``async_op=False`` inside the side stream: the call only enqueues work there, so the host goes on
+  at once. Any other backend with CUDA tensors (gloo, which stages through host memory) is called
+  with ``async_op=True`` and its work object is waited at ``wait()``: with ``async_op=False`` such
+  a call blocks the host until the data has moved, so nothing would overlap.
 * CPU (gloo): the same calls with ``async_op=True``; gloo runs them on its own threads, so the
   main thread's compute really overlaps them. ``wait()`` blocks on the work handle.
 
@@ -39,6 +45,7 @@ __all__ = [
     "set_collective_checks",
     "tensors_overlap",
     "host_tensor",
+    "stream_ordered_backend",
 ]
 
 # Fail-fast: how long a CPU rank waits for one collective before giving up (None: as long as the
@@ -101,6 +108,19 @@ SMALL_REDUCE_SCATTER_BYTES = 256 * 1024
 
 # Gloo twins of device groups, by their ranks: created once per rank set (see Communicator.host).
 _host_groups: dict = {}
+
+
+# Backends whose collectives on CUDA tensors are enqueued on the calling stream and return at once
+# (the work object only orders streams): NCCL (RCCL reports itself as "nccl"), and Intel's XCCL.
+STREAM_ORDERED_BACKENDS = frozenset({"nccl", "xccl"})
+
+
+def stream_ordered_backend(name: str, device_type: str) -> bool:
+    """Whether collectives of backend ``name`` on ``device_type`` tensors are ordered on the calling
+    CUDA stream without blocking the host (then :class:`Communicator` calls them with
+    ``async_op=False`` inside its side streams and records an event; otherwise with
+    ``async_op=True``, waiting on the work)."""
+    return device_type == "cuda" and name in STREAM_ORDERED_BACKENDS
 
 
 class CollectiveError(RuntimeError):
@@ -277,9 +297,13 @@ class Communicator:
         self.backend = (group_backend(group, device.type) or dist.get_backend(group)) if group is not None else "local"
         self._premul, self._native_avg = reduce_op_support(self.backend)
         cuda = device.type == "cuda"
-        self.ag_stream = torch.cuda.Stream(device) if cuda else None
-        self.rs_stream = torch.cuda.Stream(device) if cuda else None
-        self.ar_stream = torch.cuda.Stream(device) if cuda else None
+        # See the module docstring: NCCL-like backends only enqueue on the calling stream.
+        self.stream_ordered = stream_ordered_backend(self.backend, device.type)
+        # High priority, as FSDP2's (torch.cuda.Stream(priority=-1)): the collectives and the
+        # copies queued around them are not held up behind the compute stream's kernels.
+        self.ag_stream = torch.cuda.Stream(device, priority=-1) if cuda else None
+        self.rs_stream = torch.cuda.Stream(device, priority=-1) if cuda else None
+        self.ar_stream = torch.cuda.Stream(device, priority=-1) if cuda else None
         self._subgroups: dict = {}
         self._host: Optional["Communicator"] = None
         # gloo has no native reduce-scatter (it all-reduces): use the point-to-point exchange.
@@ -335,14 +359,20 @@ class Communicator:
         return self._host
 
     def _launch(self, stream, fn, label: str = "") -> CommHandle:
+        """Issue ``fn(async_op)``: on CPU asynchronously (its work waited at ``wait()``); on CUDA
+        inside ``stream`` after it waited on the current stream, with ``async_op=False`` on a
+        stream-ordered backend (the call only enqueues) and ``async_op=True`` on any other (gloo:
+        its work is waited too, which orders the current stream after the data moved)."""
         if stream is None:
             return CommHandle(work=fn(True), label=label)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            fn(False)
+            work = None if self.stream_ordered else fn(True)
+            if self.stream_ordered:
+                fn(False)
             event = torch.cuda.Event()
             event.record(stream)
-        return CommHandle(event=event, label=label)
+        return CommHandle(work=work, event=event, label=label)
 
     def verify(self, label: str, numel: int) -> None:
         """With collective checks on (:func:`set_collective_checks`): raise CollectiveError on every

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from .allocator import BucketAllocator
 from .comm import CommHandle, comm_stats
 from .grad_buckets import BucketMemberHandle, GradientBuckets
+from .offload import copy_to_main
 from .te import detach_main_grads
 from .tensor_parallel import local_grad
 
@@ -49,6 +50,9 @@ class _PendingReduce:
 
 class GradientReduction:
     """Backward half of a parameter group (mixed into :class:`~mfsdp2.param_group.ParameterGroup`)."""
+
+    # CPU offload on CUDA: the event after the latest non-blocking copy into the main gradient.
+    _copy_out_event = None
 
     # -- gradients ----------------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:
@@ -374,6 +378,7 @@ class GradientReduction:
         """Drop this step's gradient work after an exception: wait for (never free under) an
         in-flight reduction, discard it, and drop unsharded gradients. A reduction that failed
         and may still run (:meth:`CommHandle.settle`) gets its buffers leaked, not freed."""
+        self.settle_copy_out()
         if self._pending_reduce is not None:
             p = self._pending_reduce
             self._pending_reduce = None
@@ -508,8 +513,13 @@ class GradientReduction:
         overwrite = [dp.grad is None for dp in self.dist_params]
         if self.main.offloaded:
             self.copy_outs += 1  # the compute device's result into host memory (tests count these)
+            self.settle_copy_out()  # the host writes the main grad below
         if all(overwrite):
-            dst.copy_(out)  # blocking: the host reads the main grad next (mfsdp2.offload)
+            # Offloaded: non-blocking into page-locked memory, waited before the host touches it
+            # (settle_copy_out; at the latest at the end of backward). Blocking where a
+            # post-accumulate-grad hook reads it at once (optimizer-in-backward), as in FSDP2.
+            hooked = any(getattr(dp, "_post_accumulate_grad_hooks", None) for dp in self.dist_params)
+            self._copy_out_event = copy_to_main(dst, out, blocking=hooked)
             return
         # optimizer.zero_grad() (set_to_none) clears some grads: their pieces restart at 0.
         for i, dp in enumerate(self.dist_params):
@@ -520,6 +530,13 @@ class GradientReduction:
                 # (expose_grads then points .grad at the sum).
                 self.weights.piece_view(self.main_grad, i).copy_(dp.grad._local_tensor)
         dst.add_(self.main.fetch(out))  # offloaded: a blocking copy to the host first
+
+    def settle_copy_out(self) -> None:
+        """Wait for this group's non-blocking copy of a reduction into host memory (CPU offload),
+        if one is in flight: the host is about to read or write the main gradient."""
+        event, self._copy_out_event = self._copy_out_event, None
+        if event is not None:
+            event.synchronize()
 
     def expose_grads(self, flags) -> None:
         """Give ``dp.grad`` (a view of main_grad; empty where this rank holds no rows) to every

@@ -46,8 +46,8 @@ from .schedule import Schedule
 from .structures import map_tensors, tensors_in
 from .te import attach_main_grads
 from .state import FSDPState, RootContext, ShardState, TrainingState, unit_state
-from .comm import host_tensor
-from . import step_guard
+from . import grad_presence, step_guard
+from .offload import settle_host_reads
 from .weight_watch import agree_on_gathers
 from .fp8 import gather_riders
 from . import param_adoption
@@ -470,44 +470,6 @@ def _drain(ctx: RootContext, keep: int, keep_allreduce: Optional[int] = None) ->
         event_log.record("ar_done", s.name)
 
 
-def _sync_grad_presence(ctx: RootContext) -> None:
-    """One small all-reduce per backward: which parameters had a gradient on *any* rank.
-
-    A rank exposes ``grad`` only for parameters it computed a gradient for; a parameter used on
-    other ranks only (an MoE expert without tokens here) still has a reduced gradient in this
-    rank's rows, and leaving it ``None`` would freeze those rows. Every rank reduced the same groups
-    (their reduce-scatters matched), so every rank builds the same vector.
-
-    The flags are host facts (which unsharded parameters had ``.grad``), so they are agreed over
-    the group's gloo twin on the CPU (``Communicator.host``): no device copy and no device-to-host
-    read, so the end of backward never waits for the GPU."""
-    groups = [g for s in ctx.states for g in s.groups if g.requires_grad and g.grads_reduced_this_step]
-    if not groups:
-        return
-    # Over the shard group, then across replicas (HSDP; no_shard's only group).
-    comms = [c.host() for c in (groups[0].comm, groups[0].replicate_comm) if c is not None and c.world_size > 1]
-    if comms:
-        flags = host_tensor([f for g in groups for f in g.local_grad_flags], torch.uint8)
-        label = f"gradient-presence all-reduce (end of backward, step {ctx.step})"
-        for c in comms:
-            c.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, label=label).wait()
-        flat = flags.tolist()  # a CPU tensor: no device synchronisation
-        k = 0
-        for g in groups:
-            n = len(g.local_grad_flags)
-            # Only the parameters used on other ranks alone: those with a local gradient were
-            # exposed (and hooked) at their reduction, and a post-accumulate-grad hook may have
-            # cleared them since (optimizer-in-backward's zero_grad) -- exposing them again undid
-            # that, and the next step accumulated onto a gradient already stepped.
-            others = [a and not b for a, b in zip(flat[k : k + n], g.local_grad_flags)]
-            g.expose_grads(others)
-            g.run_post_accumulate_grad_hooks(others)
-            k += n
-    for g in groups:
-        g.local_grad_flags = [False] * len(g.local_grad_flags)
-        g.grads_reduced_this_step = False
-
-
 def _final_callback(ctx: RootContext) -> None:
     with trace_range("mfsdp2.final_callback"):
         try:
@@ -532,7 +494,13 @@ def _final_callback(ctx: RootContext) -> None:
             if ctx.root.is_last_backward:  # else (set_is_last_backward(False)) they stay in flight
                 ctx.buckets.complete_all()
                 _drain(ctx, keep=0)
-                _sync_grad_presence(ctx)
+                # CPU offload: the copies into host memory end before backward() returns (the
+                # host reads the gradients next), the copies out of it before the host writes.
+                for s in ctx.states:
+                    for g in s.groups:
+                        g.settle_copy_out()
+                settle_host_reads()
+                grad_presence.finish(ctx)
             pending = []
             for s in ctx.states:
                 if s.reshard_after_backward:

@@ -235,13 +235,17 @@ class FSDPModule:
         self._customise_comm("reduce_scatter", comm)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """mfsdp2 always does what True asks: a parameter without a local gradient contributes
-        zeros, so every rank issues the same reduction (and parameters no rank used keep
-        ``grad=None``). False is accepted too (FSDP2 would then leave them out of the collective,
-        which only works when every rank uses the same parameters) and changes nothing."""
-        if not reduce_scatter_unused_params:
-            _log_once("unused", "mfsdp2: set_reduce_scatter_unused_params(False): unused parameters are always "
-                      "reduced as zeros in mfsdp2 (same collectives on every rank)")
+        """Whether ranks may use different parameters (FSDP2's meaning: an expert without tokens on
+        some ranks, a branch taken on some ranks only). A parameter without a local gradient always
+        contributes zeros in mfsdp2, so every rank issues the same reduction either way; what True
+        adds is the ranks' agreement, at the end of each synced backward (one small all-reduce of
+        host flags), on which parameters had a gradient on *any* rank: each rank then gives them a
+        ``.grad`` (so every rank steps its rows), and a parameter no rank used keeps ``grad=None``.
+        False (default, as in FSDP2): no collective; a parameter used on other ranks only is
+        detected and raises :class:`mfsdp2.grad_presence.GradientPresenceError` (see
+        :mod:`mfsdp2.grad_presence`). Every rank must pass the same value."""
+        for s in self._units(recurse):
+            s.reduce_unused_params = bool(reduce_scatter_unused_params)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many reduction inputs may be alive at once, this unit's included (FSDP2's meaning;
@@ -317,7 +321,7 @@ class FSDPModule:
         """Whether the next backward is the last before the optimizer step (FSDP2's meaning).
         False: the final callback leaves the last reductions in flight -- they overlap the next
         micro-batch's forward and finish at its backward -- and skips the end-of-backward
-        gradient-presence all-reduce, so ``.grad`` is not complete yet. True (default): every
+        gradient-presence step (:mod:`mfsdp2.grad_presence`), so ``.grad`` is not complete yet. True (default): every
         reduction is finished and every gradient exposed. Like FSDP2's flag it is model-wide:
         every rank must pass the same value."""
         state = self._mfsdp2_state

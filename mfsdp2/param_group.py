@@ -49,7 +49,7 @@ from .fp8 import Float8Gather
 from .grad_reduction import GradientReduction, _PendingReduce
 from .layout import BufferLayout, plan_layout
 from .mixed_precision import MixedPrecisionPolicy
-from .offload import MainMemory
+from .offload import MainMemory, copy_from_main
 from .placement import RowShard, data_parallel_dtensor, wrap_local
 from .strategy import ShardingStrategy
 from .weight_watch import fingerprint, watch
@@ -433,7 +433,7 @@ class ParameterGroup(GradientReduction):
         if not self._needs_cast:
             return
         with torch.no_grad():
-            self.weights.shard.copy_(self.main_weight)
+            copy_from_main(self.weights.shard, self.main_weight)  # offloaded: non-blocking from pinned memory
         self.casts += 1
 
     def mark_changed(self) -> None:

@@ -96,6 +96,8 @@ class FSDPState:
         # Some group holds pending parameter values (mfsdp2.param_adoption): settled or refused
         # before the next gather.
         self.unsettled = False
+        # set_reduce_scatter_unused_params(True): agree on gradient presence (mfsdp2.grad_presence)
+        self.reduce_unused_params = False
 
     def __repr__(self) -> str:
         return f"FSDPState({self.name!r}, {self.shard_state.value}, {self.training_state.value})"
@@ -125,6 +127,7 @@ class RootContext:
         # so this module must not import it.
         self.schedule = schedule
         self.callback_queued = False
+        self.presence_checks: list = []  # CUDA gradient-presence checks still in flight (grad_presence)
         self.reduce_queue: list[FSDPState] = []  # units with a reduce-scatter in flight, oldest first
         self.allreduce_queue: list[FSDPState] = []  # HSDP: units whose all-reduce across replicas is in flight
         # Full-gradient strategies' all-reduces, bucketed across units (grad_buckets.py); their

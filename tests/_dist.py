@@ -1,16 +1,25 @@
 """Run a function on N spawned gloo ranks and collect each rank's result by value.
 
-Facts this relies on (see shared notes): spawn, 127.0.0.1, a free port per run, one thread per
-rank on a 2-core box, results sent back as ``torch.save`` bytes (tensors put on a queue live in
-the rank's shared memory and can vanish when it exits), and a timeout on every join so a
-deadlock fails the test instead of hanging it.
+Facts this relies on (see shared notes): spawn, 127.0.0.1, one thread per rank on a 2-core box,
+results sent back as ``torch.save`` bytes (tensors put on a queue live in the rank's shared memory
+and can vanish when it exits), and a timeout on every join so a deadlock fails the test instead of
+hanging it.
+
+Ports cannot collide, also under ``pytest -n`` (xdist): the parent process creates the
+rendezvous store itself, listening on a port the OS picks (:func:`held_store`), and keeps it
+open until the ranks are done; the ranks connect to it as clients. Picking a "free" port and
+letting a child bind it later raced other test processes (``EADDRINUSE``, "Connection reset by
+peer" under xdist). Where a launcher must bind the port itself (``torchrun``), :func:`free_port`
+picks one from a range of its own per xdist worker.
 """
 
 from __future__ import annotations
 
+import datetime
 import gc
 import io
 import os
+import random
 import socket
 import traceback
 
@@ -19,17 +28,60 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+HOST = "127.0.0.1"
+# Ports below Linux's ephemeral range (32768-60999), where the OS never hands out a port of its own.
+_PORT_BASE, _PORTS_PER_WORKER, _WORKERS = 20000, 400, 30
+
+
+def worker_index(env=None) -> int:
+    """The xdist worker's number (``PYTEST_XDIST_WORKER=gw3`` -> 3); -1 outside xdist."""
+    name = (os.environ if env is None else env).get("PYTEST_XDIST_WORKER", "")
+    digits = name[2:] if name.startswith("gw") else ""
+    return int(digits) if digits.isdigit() else -1
+
+
+def port_range(index: int) -> range:
+    """The ports :func:`free_port` may return in xdist worker ``index`` (-1: not under xdist).
+    Disjoint between workers, so two workers never pick the same port."""
+    slot = (index + 1) % _WORKERS
+    start = _PORT_BASE + slot * _PORTS_PER_WORKER
+    return range(start, start + _PORTS_PER_WORKER)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on now, for launchers that bind it themselves (``torchrun
+    --master-port``). Taken from this xdist worker's own range (:func:`port_range`), in random
+    order, checked by binding it: another worker of the same run cannot pick it; only an
+    unrelated process binding that port in between can still collide. Prefer
+    :func:`held_store`, which cannot collide at all."""
+    ports = list(port_range(worker_index()))
+    random.shuffle(ports)
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {ports[0]}..{ports[-1]}")
+
+
+def held_store(timeout_s: float = 300.0) -> dist.TCPStore:
+    """A rendezvous store served by this process on a port the OS picked (``store.port``): it
+    stays bound while the store object lives, so no other process can take the port."""
+    return dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def client_store(port: int, timeout_s: float = 300.0) -> dist.TCPStore:
+    """A rank's connection to a :func:`held_store` of its parent."""
+    return dist.TCPStore(HOST, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _entry(rank, world_size, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", store=client_store(port), rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(out, buf)
@@ -65,7 +117,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     """``[fn(rank, world_size, *args) for rank]`` on spawned ranks; raises on any rank's failure."""
     ctx = _context()
     queue = ctx.Queue()
-    port = free_port()
+    store = held_store()  # referenced until the ranks are done: the port stays ours
+    port = store.port
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -88,6 +141,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+    del store
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]

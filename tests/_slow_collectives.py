@@ -1,46 +1,71 @@
 """Collectives that run late, for tests: buffer-reuse and ordering bugs become deterministic.
 
 A runtime that reuses a buffer before the collective using it has finished, or reads a gathered
-weight before the gather wrote it, is usually saved on a CPU by luck: gloo finishes a small
-collective within microseconds. :class:`SlowCollectives` takes the luck away. While installed,
-every ``torch.distributed`` collective called in this process is *issued* ``delay_s`` after the
-call (on one worker thread, in call order, so every rank issues the same sequence), with the
-real backend doing the work then: it reads its inputs and writes its outputs only after the
-delay, as a collective queued behind other work on a GPU side stream does. The returned work
-object reports completion only after that. The addresses are taken at the call, as a launch
-takes them (re-pointing a storage afterwards does not move the collective). Anything the caller
-does with those buffers before ``wait()`` -- reading the output, writing the input, handing their
-memory to another buffer -- now meets the late collective.
+weight before the gather wrote it, is usually saved by luck: gloo finishes a small collective
+within microseconds, and a collective on a GPU stream usually ends before anyone looks. While
+:class:`SlowCollectives` is installed, every ``torch.distributed`` collective called in this
+process moves its data ``delay_s`` after the call, and the host never waits for that:
 
-On CUDA (part 2 of issue 17, when a GPU is lent) the same class queues ``torch.cuda._sleep`` on
-the stream the collective is launched on (mfsdp2 launches on its side streams) before the real
-asynchronous call: the delay is then the stream's, and the same tests check stream ordering.
-The CUDA branch is the few lines in :meth:`SlowCollectives._call` marked so.
+* **CPU tensors**: the call is *issued* ``delay_s`` later by one worker thread (in call order, so
+  every rank issues the same sequence) with the real backend doing the work then; the returned
+  work object reports completion only after that (an ``async_op=False`` call waits for it, as it
+  must). The addresses are taken at the call, as a launch takes them (re-pointing a storage
+  afterwards does not move the collective).
+* **Accelerator tensors** (``device="cuda"``; or simulated streams in CPU tests): the call enqueues
+  on the *current stream* a copy of the inputs into host staging memory, a device-side **gate**,
+  and the copy of the results back into the outputs, then returns at once (``async_op=False``
+  too: as an NCCL call does). A worker waits for the inputs to be staged, sleeps the delay, runs
+  the real collective (gloo) on the staging memory, and opens the gate. The returned work's
+  ``wait()`` makes the current stream wait for the copy back -- NCCL's semantics, never the
+  host's. See ``tests/_late_streams.py`` for the stream operations and the gates.
 
-Counters: ``issued`` (collectives delayed), ``waited_early`` (``wait()`` called before the
-collective was even issued: proof that the delay was long enough to matter).
+So anything the caller does with those buffers before the wait -- reading the output, writing the
+input, handing their memory to another buffer, or reusing it on another stream -- meets the late
+collective every time.
+
+With ``stream_ordered=True`` (the default on CUDA) the harness also presents the process group to
+mfsdp2 as a stream-ordered backend (NCCL): ``mfsdp2.comm`` then takes its NCCL path -- collectives
+called with ``async_op=False`` inside its side streams and an event recorded after them -- which
+is what runs on GPUs in production and cannot otherwise run with two ranks on one GPU. False
+keeps gloo's own path (``async_op=True``, the work waited). gloo lacks nothing mfsdp2's NCCL path
+uses except a native AVG on older torch: the harness runs AVG as SUM and divides the staged result.
+
+Counters: ``issued`` (collectives delayed); ``waited_early`` (``wait()`` called before the data
+moved: the delay mattered to a waiter); ``overtaken`` (a later collective was issued before this
+one's data moved: the host did not block on it).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from ._late_streams import CudaStreams
+
 # The functions mfsdp2 (and these tests) call; p2p ones are asynchronous by nature.
 _ASYNC_KW = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
              "all_reduce", "broadcast", "all_gather", "barrier")
 _P2P = ("isend", "irecv")
+# (outputs, inputs): positions, in the function's signature, of the tensor (or list) arguments.
+_IO = {
+    "all_gather_single": ((0,), (1,)), "all_gather_into_tensor": ((0,), (1,)),
+    "reduce_scatter_single": ((0,), (1,)), "reduce_scatter_tensor": ((0,), (1,)),
+    "all_reduce": ((0,), (0,)), "broadcast": ((0,), (0,)),
+    "all_gather": ((0,), (1,)), "reduce_scatter": ((0,), (1,)),
+    "isend": ((), (0,)), "irecv": ((0,), ()), "barrier": ((), ()),
+}
 
 
 class _LateWork:
-    """A ``torch.distributed`` Work stand-in for a collective the worker issues later."""
+    """A ``torch.distributed`` Work stand-in for a CPU collective the worker issues later."""
 
     def __init__(self, owner: "SlowCollectives", name: str) -> None:
         self._owner = owner
@@ -69,19 +94,72 @@ class _LateWork:
         return self._issued.is_set() and (self.work is None or self.work.is_completed())
 
 
-class SlowCollectives:
-    """``with SlowCollectives(delay_s=0.02, device=...):`` -- see the module docstring."""
+class _StreamWork:
+    """The work of a collective enqueued on a stream: ``wait()`` orders the current stream after
+    the copy back (the host goes on); complete once that copy ran."""
 
-    def __init__(self, delay_s: float = 0.02, device: torch.device | str = "cpu") -> None:
+    def __init__(self, owner: "SlowCollectives", name: str, index: int, done, token) -> None:
+        self._owner = owner
+        self.name = name
+        self.index = index
+        self.done = done
+        self.token = token  # the gate (a flag the device reads): kept alive until the copy back ran
+        self.moved = threading.Event()  # the worker opened the gate
+        self.waited = False
+        self.error: BaseException | None = None
+
+    def wait(self, timeout=None) -> bool:
+        self.waited = True
+        if not self.moved.is_set():
+            self._owner.waited_early += 1
+        if self.error is not None:
+            raise self.error
+        self._owner.streams.stream_wait(self.done)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.moved.is_set() and self._owner.streams.done(self.done)
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(fn: Callable) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+class SlowCollectives:
+    """``with SlowCollectives(delay_s=0.02, device=...):`` -- see the module docstring.
+
+    ``streams``: the stream operations for accelerator tensors (default: real CUDA streams when
+    ``device`` is CUDA; tests pass ``_late_streams.SimStreams()``). ``stream_ordered``: present
+    the group to mfsdp2 as NCCL-like (default: on CUDA)."""
+
+    def __init__(self, delay_s: float = 0.02, device: torch.device | str = "cpu", streams=None,
+                 stream_ordered: Optional[bool] = None) -> None:
         self.delay_s = delay_s
         self.device = torch.device(device)
+        self.streams = streams if streams is not None else (CudaStreams() if self.device.type == "cuda" else None)
+        self.stream_ordered = self.device.type == "cuda" if stream_ordered is None else stream_ordered
         self.issued = 0
         self.waited_early = 0
+        self.overtaken = 0
+        self.errors: list[BaseException] = []
         self._originals: dict[str, Callable] = {}
         self._wrappers: dict[str, Callable] = {}
         self._queue: "queue.Queue" = queue.Queue()
-        self._worker: threading.Thread | None = None
-        self._pending: list[_LateWork] = []
+        self._completions: "queue.Queue" = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._pending: list = []
+        self._saved_policy = None
 
     # -- install / uninstall -------------------------------------------------------------------
     def __enter__(self) -> "SlowCollectives":
@@ -94,62 +172,160 @@ class SlowCollectives:
             for mod in (dist, c10d):
                 if getattr(mod, name, None) is orig:
                     setattr(mod, name, wrapped)
-        if self.device.type == "cpu":
-            self._worker = threading.Thread(target=self._run, name="slow-collectives", daemon=True)
-            self._worker.start()
+        if self.stream_ordered:
+            import mfsdp2.comm as comm
+
+            self._saved_policy = comm.stream_ordered_backend
+            comm.stream_ordered_backend = lambda name, device_type: device_type == "cuda"
+        for target, label in ((self._run, "slow-collectives"), (self._complete, "slow-collectives-done")):
+            t = threading.Thread(target=target, name=label, daemon=True)
+            t.start()
+            self._threads.append(t)
         return self
 
     def __exit__(self, *exc) -> None:
         try:
             for w in self._pending:  # nothing may still write the caller's memory after this
+                if isinstance(w, _StreamWork):
+                    w.moved.wait()
+                    self.streams.host_wait(w.done)
+                    continue
                 w._issued.wait()
                 # Only works nobody waited for: a gloo send / receive waited twice blocks for a
                 # second completion that never comes.
                 if w.work is not None and w.error is None and not w.waited:
                     w.work.wait()
         finally:
-            if self._worker is not None:
-                self._queue.put(None)
-                self._worker.join(timeout=60)
+            self._queue.put(None)
+            for t in self._threads:
+                t.join(timeout=60)
             for name, orig in self._originals.items():
                 for mod in (dist, c10d):
                     if getattr(mod, name, None) is self._wrappers[name]:
                         setattr(mod, name, orig)
+            if self._saved_policy is not None:
+                import mfsdp2.comm as comm
+
+                comm.stream_ordered_backend = self._saved_policy
+        if self.errors and exc[0] is None:
+            raise AssertionError(f"slow collectives: the late collectives failed: {self.errors[:3]!r}")
 
     # -- the delayed call ----------------------------------------------------------------------
     def _call(self, name: str, *args, **kwargs) -> Any:
         orig = self._originals[name]
-        if threading.current_thread() is self._worker:  # a deprecated alias calling the real one
+        if threading.current_thread() in self._threads:  # a deprecated alias calling the real one
             return orig(*args, **kwargs)
+        tensors = _tensors(args) + _tensors(kwargs)
+        if self.streams is not None and tensors and self.streams.owns(tensors):
+            return self._call_on_stream(name, orig, args, kwargs)
         self.issued += 1
-        if self.device.type == "cuda":  # CUDA: the delay is a kernel on the launching stream
-            torch.cuda._sleep(int(self.delay_s * 1e9))  # cycles: at 1-2 GHz, 0.5-1x delay_s
-            return orig(*args, **kwargs)
         blocking = name in _ASYNC_KW and not kwargs.pop("async_op", False)
         late = _LateWork(self, name)
         self._pending.append(late)
         # A launched collective has its addresses: pin them now, so that re-pointing a storage
         # afterwards (mfsdp2's reshard) does not move where the late collective reads or writes.
         pinned = (_pin(args), {k: _pin(v) for k, v in kwargs.items()})
-        self._queue.put((time.monotonic() + self.delay_s, name, orig, pinned, (args, kwargs), late))
+        self._queue.put(("cpu", time.monotonic() + self.delay_s, name, orig, pinned, (args, kwargs), late))
         if blocking:
             late.wait()
             return None
         return late
 
+    def _call_on_stream(self, name: str, orig: Callable, args, kwargs) -> Any:
+        """Enqueue staging, gate and copy back on the current stream; return without waiting."""
+        async_op = bool(kwargs.pop("async_op", False))
+        sig = _signature(orig)
+        bound = sig.bind(*args, **kwargs)
+        params = list(sig.parameters)
+        outs, ins = _IO[name]
+        st = self.streams
+        writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged: dict[str, Any] = {}
+        for i in sorted(set(outs) | set(ins)):
+            pname = params[i]
+            value = bound.arguments[pname]
+
+            def stage(t: torch.Tensor, i=i) -> torch.Tensor:
+                host = st.stage(t, copy=i in ins)  # inputs read at the stream's position
+                if i in outs:
+                    writes.append((t, host))
+                return host
+
+            staged[pname] = type(value)(stage(t) for t in value) if isinstance(value, (list, tuple)) else stage(value)
+        staged_in = st.record()
+        # Nothing to write back (a send, a barrier): no gate, so the stream does not stop at it. A
+        # send and a receive queued on one stream then do not deadlock here (NCCL would need them
+        # in one group); what a send reads was staged at the stream's position.
+        token = st.gate() if writes else None
+        for dst, host in writes:
+            st.write_back(dst, host)
+        done = st.record()
+        bound.arguments.update(staged)
+        divide = 0
+        op = bound.arguments.get("op")
+        if op is not None and op == dist.ReduceOp.AVG:
+            bound.arguments["op"] = dist.ReduceOp.SUM
+            divide = dist.get_world_size(bound.arguments.get("group"))
+        work = _StreamWork(self, name, self.issued, done, token)
+        self.issued += 1
+        self._pending = [w for w in self._pending if not (isinstance(w, _StreamWork) and w.is_completed())]
+        self._pending.append(work)
+        hosts = [h for _, h in writes]
+        self._queue.put(("stream", time.monotonic() + self.delay_s, name, orig, bound, staged_in, work, hosts, divide))
+        return work if (async_op or name in _P2P) else None
+
     def _run(self) -> None:
+        """Issue the collectives in call order, each ``delay_s`` after its call."""
         while True:
             item = self._queue.get()
             if item is None:
+                self._completions.put(None)
                 return
-            due, name, orig, (args, kwargs), _originals, late = item  # the originals: kept referenced
-            time.sleep(max(0.0, due - time.monotonic()))
+            if item[0] == "cpu":
+                _, due, name, orig, (args, kwargs), _originals, late = item  # the originals: kept referenced
+                time.sleep(max(0.0, due - time.monotonic()))
+                try:
+                    work = orig(*args, **kwargs) if name in _P2P else orig(*args, async_op=True, **kwargs)
+                except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                    late._settle(None, e)
+                else:
+                    late._settle(work, None)
+                continue
+            _, due, name, orig, bound, staged_in, work, hosts, divide = item
             try:
-                work = orig(*args, **kwargs) if name in _P2P else orig(*args, async_op=True, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                late._settle(None, e)
-            else:
-                late._settle(work, None)
+                self.streams.host_wait(staged_in)  # the inputs are in host memory
+                time.sleep(max(0.0, due - time.monotonic()))
+                real = (orig(*bound.args, **bound.kwargs) if name in _P2P
+                        else orig(*bound.args, async_op=True, **bound.kwargs))
+            except BaseException as e:  # noqa: BLE001 - the gate must open anyway
+                real, work.error = None, e
+                self.errors.append(e)
+            # Completed by the other thread: waiting here would keep a later receive from being
+            # posted while an earlier send waits for it (point-to-point exchanges).
+            self._completions.put((real, work, hosts, divide))
+
+    def _complete(self) -> None:
+        """Wait for each issued collective, in order; then open its gate."""
+        while True:
+            item = self._completions.get()
+            if item is None:
+                return
+            real, work, hosts, divide = item
+            try:
+                if real is not None:
+                    real.wait()
+                    if divide:
+                        for h in hosts:
+                            h.div_(divide)
+            except BaseException as e:  # noqa: BLE001
+                work.error = e
+                self.errors.append(e)
+            finally:
+                if self.issued > work.index + 1:
+                    self.overtaken += 1
+                work.moved.set()
+                if work.token is not None:
+                    self.streams.open(work.token)
 
 
 def _pin(x: Any) -> Any:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ._dist import free_port
+from ._dist import client_store, held_store
 from mfsdp2 import compat
 from mfsdp2.allocator import DynamicAllocator
 
@@ -68,7 +68,8 @@ def _entry(port, fn, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     try:
         torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+        dist.init_process_group("nccl", store=client_store(port), rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
         out = fn(*args)
         torch.cuda.synchronize()
         buf = io.BytesIO()
@@ -88,7 +89,8 @@ def run_cuda(fn, *args, timeout: float = 240.0):
     """``fn(*args)`` in a spawned process with a 1-rank NCCL group on GPU 0; its result by value."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    p = ctx.Process(target=_entry, args=(free_port(), fn, args, queue))
+    store = held_store()  # the parent holds the port until the child is done (no xdist races)
+    p = ctx.Process(target=_entry, args=(store.port, fn, args, queue))
     p.start()
     try:
         ok, payload = queue.get(timeout=timeout)

@@ -97,12 +97,14 @@ def test_communicator_reduce_ops_follow_the_cuda_backend(case, world_of_one, mon
     name, config = GPU_GROUPS[case]
     monkeypatch.setattr(dist, "get_backend", lambda group=None: name)
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: None)
     comm = Communicator(world_of_one, torch.device("cuda", 0))
     nccl = devices.backend_for_device(config, "cuda") == "nccl"
     assert comm.backend == ("nccl" if nccl else "gloo"), (case, comm.backend)
     assert (comm.premul_sum(0.5) is not None) == nccl, case
     assert comm._native_avg == nccl, case
+    # NCCL: async_op=False inside the side streams; gloo's CUDA collectives: async_op=True
+    assert comm.stream_ordered == nccl, case
     if devices.backend_for_device(config, "cpu") == "gloo":  # its CPU collectives: gloo's
         cpu = Communicator(world_of_one, torch.device("cpu"))
         assert cpu.backend == "gloo" and cpu.premul_sum(0.5) is None and not cpu._native_avg, case

@@ -12,7 +12,7 @@ and are not counted. The CUDA variant below checks the real thing with
 ``torch.cuda.set_sync_debug_mode``.
 
 Expected per steady-state step (forward, backward, optimizer step): 0 for ZeRO-3, FP8 all-gather
-and HSDP (which also covers the end-of-backward gradient-presence agreement at world size > 1);
+and HSDP (no gradient-presence collective by default, see tests/test_grad_presence.py);
 exactly 1 (the agreed changed-weights flags, ``weight_watch.agree_on_gathers``) for ZeRO-1/2 and for
 no_shard with a compute dtype other than the main weights', 0 for no_shard computing with the main
 weights themselves (nothing to re-gather), and 0 for all of them after

@@ -181,6 +181,7 @@ def _routed_train(rank, ws, steps):
         # The experts stay inside one unit (as in a decoder layer): a unit that runs on some ranks
         # only would issue its all-gather on those ranks only.
         fully_shard(model, mesh=mesh)
+        model.set_reduce_scatter_unused_params(True)  # ranks use different experts (as FSDP2 requires)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(steps):
         x, y = (t.to(F64) for t in _routed_data(step))

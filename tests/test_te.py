@@ -182,13 +182,10 @@ def _real_te(rank, ws):
 
 @pytest.mark.skipif(not _real_te_available(), reason="TransformerEngine with CUDA is not installed here (pip install 'mfsdp2[te]' on a GPU machine)")
 def test_real_transformer_engine_linear_with_wgrad_fusion():
-    import os
-
     import torch.distributed as dist
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    # One rank in this process: an in-memory store, no port (a fixed one collided under xdist).
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert _real_te(0, 1)
     finally:

@@ -1,0 +1,27 @@
+"""The test ranks' ports cannot collide under ``pytest -n`` (tests/_dist.py): the parent holds
+the rendezvous store on a port the OS picked, and ``free_port`` (for launchers that bind the port
+themselves) draws from a range of its own per xdist worker."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from ._dist import held_store, port_range, worker_index
+
+
+def test_worker_ranges_are_disjoint_and_below_the_ephemeral_range():
+    assert worker_index({"PYTEST_XDIST_WORKER": "gw0"}) == 0
+    assert worker_index({"PYTEST_XDIST_WORKER": "gw13"}) == 13
+    assert worker_index({}) == -1
+    ranges = [set(port_range(i)) for i in range(-1, 29)]
+    assert all(a.isdisjoint(b) for i, a in enumerate(ranges) for b in ranges[i + 1 :])
+    assert max(max(r) for r in ranges) < 32768  # Linux hands out ephemeral ports from 32768
+
+
+def test_a_held_store_keeps_its_port():
+    store = held_store(timeout_s=10)
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", store.port))  # nobody else can take it while the store lives
+    del store
