@@ -22,12 +22,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .allocator import BucketAllocator
 from .comm import Communicator
+from .fsdp2_state import bind_runtime
+from .hooks import lazy_init
 from .mixed_precision import MixedPrecisionPolicy
 from .module import _EAGER_POST_FORWARD, _EAGER_PRE_FORWARD, FSDPModule
 from .offload import MainMemory, main_memory_for
 from .param_group import GroupConfig, ParameterGroup, ParamInfo
 from .shared_params import adopt_shared, mark_owned
-from .state import FSDPState
+from .state import FSDPState, unit_state
 from .state_dict import register_state_dict_hooks
 from .strategy import ShardingStrategy, Topology
 from .tensor_parallel import TPSpec, tp_spec_of
@@ -396,6 +398,20 @@ def _make_unit_module(module: nn.Module, state: FSDPState) -> None:
     # ``_call_impl``, hooks included): they issue collectives, swap parameters and read host
     # state (graph-task ids, version counters) that dynamo cannot trace. FSDP2's hooks are
     # skipped by dynamo the same way; the module's own forward is still compiled.
-    module.register_forward_pre_hook(_EAGER_PRE_FORWARD, prepend=True, with_kwargs=True)
-    module.register_forward_hook(_EAGER_POST_FORWARD, always_call=False, with_kwargs=True)
+    state.forward_hook_handles.append((
+        module.register_forward_pre_hook(_EAGER_PRE_FORWARD, prepend=True, with_kwargs=True),
+        module.register_forward_hook(_EAGER_POST_FORWARD, always_call=False, with_kwargs=True),
+    ))
     register_state_dict_hooks(module)  # state_dict() from / load_state_dict() into the main weights
+
+
+def _state(module: nn.Module) -> Optional[FSDPState]:
+    """FSDP2's ``fully_shard.state(module)``: the unit state ``fully_shard`` attached to
+    ``module`` (the same object for every module of a ``fully_shard([a, b])`` unit), or ``None``
+    for a module it was not applied to. It answers FSDP2's private state names too
+    (:mod:`mfsdp2.fsdp2_state`)."""
+    return unit_state(module)
+
+
+fully_shard.state = _state
+bind_runtime(lazy_init=lazy_init)
