@@ -82,6 +82,7 @@ EXPECTED = {
     "E52": (ValueError, "reshard their weights after forward"),
     "E53": (RuntimeError, "parameter 'fc1.weight' of unit 'blocks.0' had its .data assigned after fully_shard"),
     "E55": (UnsyncedGradientsError, "hold gradients accumulated with gradient sync off"),
+    "E56": (RuntimeError, "the state dict's value is on the meta device (no values"),
     "E54": (StaleParameterError, "SGD holds parameter 'inp.weight' of unit 'root' as it was before fully_shard"),
 }
 
@@ -158,7 +159,13 @@ def _rows_ws1(rank, ws):
         meta = nn.Linear(3, 3)
     fully_shard(meta, mesh=mesh)  # fine: shapes are all it needs; values come from materialize()
     _capture(out, "E04", lambda: meta(torch.zeros(1, 3)))
-    _capture(out, "E50", lambda: meta.load_state_dict({"weight": torch.ones(3, 3), "bias": torch.ones(3)}))
+    from mfsdp2 import state_dict as msd
+
+    _capture(out, "E50", lambda: msd.get_optimizer_state_dict(meta, torch.optim.SGD(meta.parameters(), lr=0.1)))
+    with torch.device("meta"):
+        other = nn.Linear(3, 3)
+    fully_shard(other, mesh=mesh)
+    _capture(out, "E56", lambda: meta.load_state_dict(other.state_dict()))
 
     with torch.device("meta"):
         mixed = nn.Sequential(nn.Linear(3, 3))

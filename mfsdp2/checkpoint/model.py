@@ -34,6 +34,7 @@ all-reduce over the ranks' local row counts decides which it is.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -119,16 +120,60 @@ def _same_memory(src: DTensor, dp: DTensor) -> bool:
     return a.shape == b.shape and (a.numel() == 0 or a.data_ptr() == b.data_ptr())
 
 
+# Groups built on the meta device that a load has started to fill: the indices of the parameters
+# written so far (a load of some keys, ``strict=False``, then of the others).
+_filling: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
     state = module._mfsdp2_state
     entries = [(k, dp, rows) for k, dp, rows in _own_entries(state, prefix) if k in state_dict]
     if not entries:
         return
-    check_loadable(state)
+    check_loadable(state, meta_ok=True)
+    _refuse_meta_sources(state, entries, state_dict)
+    # A model built on the meta device (DSD's broadcast_from_rank0 / full_state_dict loads with
+    # assign=True, Accelerate's cpu_ram_efficient_loading, plain load_state_dict): the load is
+    # its init. Its groups get their memory here -- the same DTensor parameter objects, so an
+    # optimizer built before or after steps them -- and the values are written as for any load.
+    fresh = [g for g in state.groups if g.needs_init and any(dp is e[1] for e in entries for dp in g.dist_params)]
+    for g in fresh:
+        g.allocate()
+    written = {
+        id(dp) for k, dp, _ in entries
+        if state_dict[k] is not dp and isinstance(state_dict[k], torch.Tensor) and tuple(state_dict[k].shape) == tuple(dp.shape)
+    }
     with torch.no_grad():
         _write_main_weights(entries, state_dict)
+    _note_filled(state, written)
     for g in state.groups:  # every rank loads: re-cast and re-gather at the next use
         g.mark_changed()
+
+
+def _refuse_meta_sources(state, entries, state_dict) -> None:
+    """An entry on the meta device holds no values (a state dict taken from a meta model, or this
+    meta model's own entries): loading it would leave the parameter uninitialised."""
+    for key, dp, _ in entries:
+        src = state_dict[key]
+        if isinstance(src, torch.Tensor) and src.is_meta and src is not dp and tuple(src.shape) == tuple(dp.shape):
+            raise RuntimeError(
+                f"mfsdp2: cannot load {key!r} into unit {state.name!r}: the state dict's value is on the meta "
+                "device (no values; a state dict taken from a model built under torch.device('meta')). "
+                "Load a state dict with values (a checkpoint, or a materialised model's)"
+            )
+
+
+def _note_filled(state, loaded: set) -> None:
+    """Meta-built groups whose every parameter has been loaded (``loaded``: ids of the DTensor
+    parameters this load wrote) are initialised: forward allowed."""
+    for g in state.groups:
+        if not g.needs_init or not g.allocated:
+            continue
+        done = _filling.setdefault(g, set())
+        done.update(i for i, dp in enumerate(g.dist_params) if id(dp) in loaded)
+        if len(done) == len(g.dist_params):
+            g.needs_init = False
+            del _filling[g]
 
 
 def _write_main_weights(entries, state_dict) -> None:
