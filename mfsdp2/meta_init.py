@@ -26,6 +26,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from .shard_dim import rows_along
+
 __all__ = ["materialize"]
 
 logger = logging.getLogger(__name__)
@@ -87,7 +89,7 @@ def materialize(model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]]
             for g, i, attr in slots:
                 full = m._parameters[attr].detach()
                 lo = g.layout.piece(i, g.rank)
-                g.weights.piece_view(g.main_weight, i).copy_(full[lo.row_start : lo.row_end])
+                g.weights.piece_view(g.main_weight, i).copy_(rows_along(full, g.layout.slots[i].shard_dim, lo.row_start, lo.row_end))
         finally:
             for attr, dp in saved.items():
                 m._parameters[attr] = dp

@@ -90,16 +90,26 @@ def _specs(obj: Any):
             yield from _specs(o)
 
 
-def _dim0(pl) -> bool:
-    """A placement that shards tensor dim 0 by plain rows: ``Shard(0)`` (torch.chunk) or ours."""
-    return (type(pl) is Shard or isinstance(pl, RowShard)) and pl.dim == 0
+def _row_dim(pl) -> Optional[int]:
+    """The tensor dim a placement splits into plain runs of slices ("rows"): ``Shard(d)``
+    (torch.chunk) or ours, ``RowShard(d)`` (dim 0 usually; another dim for a parameter sharded
+    there, :mod:`mfsdp2.shard_dim`). None for any other placement."""
+    return pl.dim if (type(pl) is Shard or isinstance(pl, RowShard)) else None
 
 
-def _rows_of(spec) -> Optional[int]:
+def _size(spec, t: Optional[int]) -> Optional[int]:
+    """The global size of tensor dim ``t`` of ``spec`` (None: unknown, or symbolic)."""
     meta = spec.tensor_meta
-    if meta is None or len(meta.shape) == 0 or type(meta.shape[0]) is not int:
+    if t is None or meta is None or len(meta.shape) <= t or type(meta.shape[t]) is not int:
         return None  # symbolic sizes (dynamic-shape tracing): no guard is added for us
-    return meta.shape[0]
+    return meta.shape[t]
+
+
+def _like(ref, t: int):
+    """``ref``'s split along tensor dim ``t`` (a member of a class sharded there)."""
+    if isinstance(ref, RowShard):
+        return ref if ref.dim == t else RowShard(t, ref.rows)
+    return ref if ref.dim == t else Shard(t)
 
 
 def _get(args, pos):
@@ -198,8 +208,8 @@ def _moves(cur: DTensorSpec, tgt: DTensorSpec) -> bool:
     for d, (c, t) in enumerate(zip(cur.placements, tgt.placements)):
         if c != t or _mixes_row_and_chunk((c,), (t,)):
             return True
-        n = _rows_of(cur)
-        if n is not None and _dim0(c) and _split(c, n, cur.mesh.size(d)) != _split(t, n, cur.mesh.size(d)):
+        n = _size(cur, _row_dim(c))
+        if n is not None and _split(c, n, cur.mesh.size(d)) != _split(t, n, cur.mesh.size(d)):
             return True
     return False
 
@@ -214,16 +224,22 @@ def _output_specs(out) -> list:
     return [spec] if isinstance(spec, DTensorSpec) else list(spec) if isinstance(spec, (list, tuple)) else []
 
 
-def _dim0_classes(want, positions, d: int) -> dict[int, list]:
-    """The inputs the chosen strategy wants sharded on tensor dim 0 over mesh dim ``d``, by their
-    dim-0 size (inputs of one size are combined row by row)."""
+def _row_classes(want, positions, d: int) -> dict[int, list]:
+    """The inputs the chosen strategy wants split into rows over mesh dim ``d``, by the size of
+    the tensor dim they are split on (inputs split on dims of one size are combined row by row:
+    the same dim of two operands of a pointwise op, a matmul's contraction dim)."""
     classes: dict[int, list] = {}
     for p in positions:
         w = _get(want, p)
-        n = _rows_of(w)
-        if n is not None and _dim0(w.placements[d]):
+        n = _size(w, _row_dim(w.placements[d]))
+        if n is not None:
             classes.setdefault(n, []).append(p)
     return classes
+
+
+def _split_along(pl, t: Optional[int], n: int, k: int) -> Optional[tuple[int, ...]]:
+    """The rows per rank placement ``pl`` gives tensor dim ``t`` (None: it does not split ``t``)."""
+    return _split(pl, n, k) if t is not None and _row_dim(pl) == t else None
 
 
 def _align(op_schema, out, move: bool) -> bool:
@@ -246,29 +262,33 @@ def _align(op_schema, out, move: bool) -> bool:
         mesh = _get(args, positions[0]).mesh if positions else None
         for d in range(mesh.ndim if mesh is not None else 0):
             k = mesh.size(d)
-            for n, members in _dim0_classes(want, positions, d).items():
-                # The split of the first input already sharded on dim 0 here does not move (written
-                # inputs come first: an in-place op's self, whose rows the result keeps, an
-                # optimizer's parameter). None: every such input is gathered or reduced first,
+            for n, members in _row_classes(want, positions, d).items():
+                dim = {p: _row_dim(_get(want, p).placements[d]) for p in members}  # the dim each is split on
+                # The split of the first input already split on that dim here does not move
+                # (written inputs come first: an in-place op's self, whose rows the result keeps,
+                # an optimizer's parameter). None: every such input is gathered or reduced first,
                 # DTensor's own plan.
-                ref = next((_get(args, p).placements[d] for p in members if _dim0(_get(args, p).placements[d])), None)
+                ref = next(
+                    (_get(args, p).placements[d] for p in members if _row_dim(_get(args, p).placements[d]) == dim[p]), None
+                )
                 if ref is None:
                     continue
                 rows = _split(ref, n, k)
-                if not move and any(_split(_get(args, p).placements[d], n, k) != rows for p in members):
+                if not move and any(_split_along(_get(args, p).placements[d], dim[p], n, k) != rows for p in members):
                     continue
                 for p in members:
                     w = _get(want, p)
                     if type(w.placements[d]) is not type(ref) or _split(w.placements[d], n, k) != rows:
-                        _put(want, p, _with(w, d, ref))
-                        moved = moved or _split(_get(args, p).placements[d], n, k) != rows
+                        _put(want, p, _with(w, d, _like(ref, dim[p])))
+                        moved = moved or _split_along(_get(args, p).placements[d], dim[p], n, k) != rows
                 if not isinstance(ref, RowShard):
                     continue
                 for o in range(len(new_outs)) if out_idx is None else [out_idx]:
                     spec = new_outs[o] if o < len(new_outs) else None
-                    if isinstance(spec, DTensorSpec) and _rows_of(spec) == n and type(spec.placements[d]) is Shard:
-                        if spec.placements[d].dim == 0:
-                            new_outs[o] = _with(spec, d, ref)
+                    if isinstance(spec, DTensorSpec) and type(spec.placements[d]) is Shard:
+                        t = spec.placements[d].dim
+                        if _size(spec, t) == n:  # the output dim the inputs' rows map to
+                            new_outs[o] = _with(spec, d, _like(ref, t))
     if move and (moved or out.needs_redistribute):
         _refuse_written_moves(op_schema, want)
     if moved or out.redistribute_schema is not None:
@@ -309,10 +329,9 @@ def _refuse_out_mismatch(op_schema, out) -> None:
             continue
         if not any(isinstance(pl, RowShard) for pl in tuple(dst.placements) + tuple(res.placements)):
             continue
-        n = _rows_of(dst)
         same = dst.mesh == res.mesh and len(dst.placements) == len(res.placements) and all(
             (c == t and not _mixes_row_and_chunk((c,), (t,)))
-            or (n is not None and _dim0(c) and _dim0(t) and _split(c, n, dst.mesh.size(d)) == _split(t, n, dst.mesh.size(d)))
+            or _same_rows(dst, c, t, dst.mesh.size(d))
             for d, (c, t) in enumerate(zip(dst.placements, res.placements))
         )
         if not same:
@@ -325,6 +344,13 @@ def _refuse_out_mismatch(op_schema, out) -> None:
     if any(a is not b for a, b in zip(results, new)):
         spec = out.output_spec
         out.output_spec = new[0] if isinstance(spec, DTensorSpec) else type(spec)(new)
+
+
+def _same_rows(spec, c, t, k: int) -> bool:
+    """Whether placements ``c`` and ``t`` split the same tensor dim of ``spec`` into the same rows."""
+    dim = _row_dim(c)
+    n = _size(spec, dim)
+    return n is not None and dim == _row_dim(t) and _split(c, n, k) == _split(t, n, k)
 
 
 def _has_row_shard(op_schema) -> bool:
@@ -435,20 +461,22 @@ def _replace_everywhere(attr: str, plain, wrapped) -> None:
 
 
 def _split(pl, n: int, k: int) -> Optional[tuple[int, ...]]:
-    """The rows per rank a dim-0 placement means for ``n`` rows over ``k`` ranks (None: not one)."""
+    """The rows per rank a row placement means for ``n`` rows (slices along its dim) over ``k``
+    ranks (None: not one)."""
     if isinstance(pl, RowShard):
         return tuple(pl.rows)
-    if isinstance(pl, Shard) and pl.dim == 0:
+    if type(pl) is Shard:
         return chunk_rows(n, k)
     return None
 
 
 def _rows_move(cur, tgt, k: int) -> bool:
     """Whether going from placement ``cur`` to ``tgt`` on one mesh dimension (``k`` ranks) moves
-    dim-0 rows between ranks although DTensor sees two equal ``Shard(0)`` and would move none."""
+    rows (slices along their common dim) between ranks although DTensor sees two equal
+    ``Shard(d)`` and would move none."""
     if not (isinstance(cur, RowShard) or isinstance(tgt, RowShard)):
         return False
-    if not (isinstance(cur, Shard) and isinstance(tgt, Shard)) or cur.dim != 0 or tgt.dim != 0:
+    if not (isinstance(cur, Shard) and isinstance(tgt, Shard)) or cur.dim != tgt.dim:
         return False
     n = sum(cur.rows) if isinstance(cur, RowShard) else sum(tgt.rows)
     return _split(cur, n, k) != _split(tgt, n, k)
@@ -482,7 +510,9 @@ def _via_replicate(cur, tgt, k: int) -> bool:
     ``Partial`` reduced into our rows (DTensor's reduce-scatter splits by ``torch.chunk``)."""
     if _rows_move(cur, tgt, k):
         return True
-    return isinstance(tgt, RowShard) and cur.is_partial()
+    # Into our rows from a sum, or from torch.chunk slices of another dim (DTensor's own
+    # shard-dim change, an all-to-all, splits the new dim by torch.chunk too).
+    return isinstance(tgt, RowShard) and (cur.is_partial() or (type(cur) is Shard and cur.dim != tgt.dim))
 
 
 def _wrap_redistribute_local_tensor(plain):

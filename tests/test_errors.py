@@ -73,8 +73,8 @@ EXPECTED = {
     "E43": (ValueError, "helpers handle row-sharded 1-D layouts"),
     "E44": (ValueError, "is a UninitializedParameter, a tensor subclass"),
     "E45": (ValueError, "a container without a forward of its own"),
-    "E46": (ValueError, "shards every parameter on dim 0"),
-    "E47": (InvalidShardDimError, "shards every parameter on dim 0"),
+    "E46": (ValueError, "on one dimension: return Shard(d) or None"),
+    "E47": (InvalidShardDimError, "which has 1 dims; return Shard(d) with -1 <= d < 1, or None"),
     "E48": (ValueError, "all-reduce bucket size must be >= 0 MiB"),
     "E49": (UnreducedGradientsError, "no backward reduced"),
     "E50": (RuntimeError, "are still on the meta device (the model was built under torch.device('meta')); give them memory first"),
@@ -212,7 +212,9 @@ def _rows_ws1(rank, ws):
     _capture(out, "E45", lambda: fully_shard(nn.ModuleList([nn.Linear(3, 3)]), mesh=mesh))
     from torch.distributed.tensor import Shard
 
-    _capture(out, "E46", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1)))
+    from torch.distributed.tensor import Replicate
+
+    _capture(out, "E46", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=lambda p: Replicate()))
     _capture(out, "E47", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=lambda p: Shard(1)))
     from torch.distributed.fsdp import CPUOffloadPolicy
 

@@ -202,8 +202,11 @@ def units(model: nn.Module) -> list:
     states = [s for s in map(unit_state, model.modules()) if s is not None]
     for s in states:
         for g in s.groups:
-            if g.config.shard_dim is None or g.mesh.ndim != 1 or any(t is not None for t in g.tp_specs):
-                kind = "no_shard" if g.config.shard_dim is None else ("HSDP" if g.mesh.ndim != 1 else "FSDP x TP")
+            other_dim = any(slot.shard_dim for slot in g.layout.slots)
+            if g.config.shard_dim is None or g.mesh.ndim != 1 or any(t is not None for t in g.tp_specs) or other_dim:
+                kind = "no_shard" if g.config.shard_dim is None else (
+                    "HSDP" if g.mesh.ndim != 1 else "FSDP x TP" if not other_dim else "sharded on dim != 0 for some parameters (shard_placement_fn)"
+                )
                 raise ValueError(
                     f"mfsdp2.state_dict helpers handle row-sharded 1-D layouts (ZeRO-1/2/3 on a 1-D mesh); "
                     f"unit {s.name!r} is {kind}. Save and load its model state with model.state_dict() / "

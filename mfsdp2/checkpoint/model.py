@@ -92,8 +92,17 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, loca
 
 
 def _generic(dp: DTensor) -> bool:
-    """Not a 1-D ``RowShard`` parameter (no_shard, HSDP, FSDP x TP)."""
-    return dp.device_mesh.ndim != 1 or not isinstance(dp.placements[0], RowShard)
+    """Not a 1-D dim-0 ``RowShard`` parameter (no_shard, HSDP, FSDP x TP, another shard dim)."""
+    return dp.device_mesh.ndim != 1 or not isinstance(dp.placements[0], RowShard) or dp.placements[0].dim != 0
+
+
+def _same_placements(a, b) -> bool:
+    """Placements that put the same elements on every rank: ``RowShard`` compares equal to a plain
+    ``Shard`` of its dim (for DTensor's rules), but its rows are torch.chunk's only by chance."""
+    return len(a) == len(b) and all(
+        x == y and isinstance(x, RowShard) == isinstance(y, RowShard) and getattr(x, "rows", None) == getattr(y, "rows", None)
+        for x, y in zip(a, b)
+    )
 
 
 def _write_generic(key: str, dp: DTensor, src, state_dict: dict) -> None:
@@ -101,7 +110,7 @@ def _write_generic(key: str, dp: DTensor, src, state_dict: dict) -> None:
     if src is dp or not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(dp.shape):
         return  # the default loader reports type / size mismatches
     if isinstance(src, DTensor):
-        if src.device_mesh == dp.device_mesh and tuple(src.placements) == tuple(dp.placements):
+        if src.device_mesh == dp.device_mesh and _same_placements(tuple(src.placements), tuple(dp.placements)):
             if src.to_local().data_ptr() != dp._local_tensor.data_ptr():
                 dp._local_tensor.copy_(src.to_local())
             state_dict[key] = dp
