@@ -16,7 +16,8 @@ into either, and the next step equals the writer's own next step; ``copy_`` into
 from a full tensor, a ``Replicate`` or a ``Shard(d)`` DTensor; a dim whose size does not divide
 by the world size (FSDP2 refuses it) trains as the unsharded model; meta build + ``materialize``
 equals the normal build; ``model.to(float32)`` keeps the layout; the ``mfsdp2.state_dict``
-helpers refuse such models (E43) and tensor-parallel parameters refuse ``Shard(1)`` (E46).
+helpers refuse such models (E43) and tensor-parallel parameters refuse ``Shard(1)`` (E46);
+``load_state_dict`` of FSDP2's ``Shard(d)`` DTensors gives FSDP2's values.
 """
 
 from __future__ import annotations
@@ -232,6 +233,13 @@ def _facts(mesh, rank: int) -> dict:
     sd_o, sd_t = ours.state_dict(), theirs.state_dict()
     out["sd_keys"] = (list(sd_o), list(sd_t))
     out["sd_values"] = {k: (tuple(v.shape) == tuple(sd_t[k].shape), torch.equal(full(v), full(sd_t[k]))) for k, v in sd_o.items()}
+    # FSDP2's Shard(d) DTensors (torch.chunk slices) loaded with load_state_dict: FSDP2's values.
+    other = _wrap(_build("moe"), mfsdp2.fully_shard, mesh, "dim1")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    other.load_state_dict(sd_t)
+    out["load_fsdp2_sd"] = {k: torch.equal(full(p), full(sd_t[k])) for k, p in other.named_parameters()}
     # copy_ into a dim-1 parameter from a full tensor, a Replicate and a torch.chunk Shard(1) DTensor.
     w = ours.experts.w1
     target = torch.arange(w.numel(), dtype=F64).reshape(w.shape)
@@ -361,6 +369,7 @@ def test_placements_state_dict_and_init(results):
         assert f["sd_keys"][0] == f["sd_keys"][1]
         assert all(a and b for a, b in f["sd_values"].values()), f["sd_values"]
         assert all(f["copy_"].values()), f["copy_"]
+        assert all(f["load_fsdp2_sd"].values()), f["load_fsdp2_sd"]
         assert f["materialize"] and all(f["materialize"].values()), f["materialize"]
         assert all(eq for eq, _ in f["to_float32"].values()), f["to_float32"]
         assert f["to_float32"]["experts.w1"][1] == "RowShard(dim=1", f["to_float32"]
