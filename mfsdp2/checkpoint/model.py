@@ -20,10 +20,23 @@ optimizer step. A
 checkpoint is never routed through the compute-dtype copy, which would round fp32 main weights to
 bf16 (the precision regression the Megatron review warned about).
 
+**Loading into a model built on the meta device** is its initialisation (DSD's
+``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``, which ends in
+``load_state_dict(sd, assign=True)``; Accelerate's ``cpu_ram_efficient_loading``; a plain load):
+the pre-hook gives the unit's meta groups their memory (``ParameterGroup.allocate``: the same
+DTensor parameter objects, so ``assign=True`` re-registers them and an optimizer built before or
+after steps them) and writes the values as above; a group counts as initialised once each of its
+parameters was loaded (loads of some keys with ``strict=False`` add up). A source entry on the meta
+device has no values and is refused.
+
 Parameters on other layouts -- ``no_shard`` (``Replicate``), HSDP (``(Replicate, RowShard)``) and
 FSDP x TP (``(tp placement, RowShard)`` on a (tp, dp) mesh) -- take one generic path: saving rebuilds
 the entry with the parameter's own mesh and placements, loading slices a full tensor at the offsets
 ``compute_local_shape_and_global_offset`` derives from those placements and the *global* shape.
+The same path takes parameters sharded on a dim other than 0 (``RowShard(d)``, :mod:`mfsdp2.shard_dim`).
+A source DTensor is read locally only when its placements put the same elements on every rank:
+``RowShard`` compares equal to a plain ``Shard`` of its dim, but FSDP2's ``torch.chunk`` rows are
+ours only by chance.
 
 A plain ``Shard(0)`` label is ambiguous for our uneven layouts: torch puts it on genuine
 ``torch.chunk`` shards (``distribute_tensor``, FSDP2) and also on results derived from our
