@@ -3,8 +3,8 @@ with torch FSDP2 given the same function in the same process, and the unsharded 
 
 Models (float64): torchtitan's MoE shape -- expert weights ``(experts, dim, hidden)`` in their own
 unit sharded on dim 1 (``fully_shard(experts, shard_placement_fn=lambda p: Shard(1))``), the rest
-on dim 0 -- and ``Net`` sharded on each parameter's largest dim (torch's test), or on its last
-(``Shard(-1)``). Strategies ZeRO-3, ZeRO-2, ZeRO-1, ``reshard_after_forward=False``, CPU offload
+on dim 0 (or on their last, ``Shard(-1)``) -- and ``Net`` sharded on each parameter's largest
+dim (torch's test). Strategies ZeRO-3, ZeRO-2, ZeRO-1, ``reshard_after_forward=False``, CPU offload
 and ``no_shard`` (which keeps every parameter whole); per step ``clip_grad_norm_`` (torch's
 foreach, or mfsdp2's), three AdamW steps. Compared with FSDP2 and the unsharded model: losses,
 total norms, full gradients of the last step, full parameters and AdamW states.
@@ -151,14 +151,12 @@ def _reference(kind: str):
 # (model, shard_placement_fn, mfsdp2 keywords, mfsdp2's clip_grad_norm_ instead of torch's)
 RUNS = {
     "moe_zero3": ("moe", "dim1", {}, False),
-    "moe_zero3_mfsdp2_clip": ("moe", "dim1", {}, True),
     "moe_zero2": ("moe", "dim1", {"sharding_strategy": "optim_grads"}, False),
-    "moe_zero1": ("moe", "dim1", {"sharding_strategy": "optim"}, False),
-    "moe_keep_after_forward": ("moe", "dim1", {"reshard_after_forward": False}, False),
+    "moe_zero1_mfsdp2_clip": ("moe", "dim1", {"sharding_strategy": "optim"}, True),
+    "moe_last_dim_kept_after_forward": ("moe", "last", {"reshard_after_forward": False}, False),
     "moe_offload": ("moe", "dim1", {"offload": True}, False),
     "moe_no_shard": ("moe", "dim1", {"sharding_strategy": "no_shard"}, False),
     "net_largest": ("net", "largest", {}, False),
-    "net_last": ("net", "last", {}, False),
 }
 
 
