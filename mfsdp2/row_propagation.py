@@ -17,6 +17,14 @@ its own input rows, so the output holds exactly the input's rows. Shape argument
 rewrote from the global shape to the local one (``view``, ``new_empty``) are recomputed from the
 relabelled placement.
 
+Any dim. "Rows" are slices along the dim a placement splits: dim 0 for most of our parameters,
+``d`` for one ``shard_placement_fn`` shards on ``d`` (``RowShard(d)``, :mod:`mfsdp2.shard_dim`).
+Inputs are grouped by the size of the dim they are split on (two operands of a pointwise op, a
+matmul's contraction dim), and an output split on a dim of that size carries the rows on that dim
+(``p.t()`` of a dim-0 parameter is ``RowShard(1)``). A ``torch.chunk`` split of another dim is
+brought to our rows through ``Replicate``: DTensor's own change of shard dim splits the new dim by
+``torch.chunk``.
+
 Mixed splits. An op combining DTensors whose dim-0 rows are split differently -- our parameter
 and a same-shape ``torch.chunk`` ``Shard(0)`` tensor (``p + q``, ``p.grad.add_(q)``,
 ``torch.lerp``, ``_foreach_add_``), two of our parameters with other rows (another offset or unit),
