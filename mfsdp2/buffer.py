@@ -38,6 +38,7 @@ from . import compat
 from .comm import CommHandle, Communicator
 from .layout import BufferLayout
 from .offload import copy_from_main
+from .shard_dim import from_storage
 
 __all__ = ["DataParallelBuffer"]
 
@@ -119,18 +120,20 @@ class DataParallelBuffer:
         return full[lo:hi]
 
     def param_view(self, full: torch.Tensor, index: int) -> torch.Tensor:
-        """Parameter ``index`` as a view of a full-size flat tensor, in its original shape."""
+        """Parameter ``index`` as a view of a full-size flat tensor, in its original shape (a
+        strided view for one sharded on another dim than 0: :mod:`mfsdp2.shard_dim`)."""
         slot = self.layout.slots[index]
-        return full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        return from_storage(full[slot.offset : slot.offset + slot.numel].view(slot.storage_shape), slot.shard_dim)
 
     def piece_view(self, shard: torch.Tensor, index: int) -> torch.Tensor:
-        """This rank's rows of parameter ``index`` as a view of a shard-size flat tensor."""
+        """This rank's rows of parameter ``index`` as a view of a shard-size flat tensor (its
+        slices along the parameter's shard dim, in the parameter's dimension order)."""
         slot = self.layout.slots[index]
         piece = self.layout.piece(index, self.rank)
         flat = shard[piece.shard_offset : piece.shard_offset + piece.numel]
         if len(slot.shape) == 0:
             return flat.view(())
-        return flat.view((piece.num_rows,) + slot.shape[1:])
+        return from_storage(flat.view((piece.num_rows,) + slot.storage_shape[1:]), slot.shard_dim)
 
     def param_views(self) -> list[torch.Tensor]:
         """Fixed views of every parameter into the unsharded buffer (valid while unsharded)."""

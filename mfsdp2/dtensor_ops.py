@@ -77,7 +77,7 @@ def _row_shard_dim(placements) -> Optional[int]:
     """The mesh dimension of the only RowShard when every other placement is Replicate."""
     found = None
     for d, pl in enumerate(placements):
-        if isinstance(pl, RowShard) and pl.dim == 0 and found is None:
+        if isinstance(pl, RowShard) and found is None:
             found = d
         elif not isinstance(pl, Replicate):
             return None
@@ -85,31 +85,34 @@ def _row_shard_dim(placements) -> Optional[int]:
 
 
 def _source_rows(dst: DTensor, src, mesh_dim: int, lo: int, n: int) -> Optional[torch.Tensor]:
-    """This rank's rows ``[lo, lo + n)`` of ``src`` as a plain tensor; None: not a case we handle."""
+    """This rank's rows ``[lo, lo + n)`` (slices along the destination's row dim: 0, or the dim a
+    parameter is sharded on, :mod:`mfsdp2.shard_dim`) of ``src`` as a plain tensor; None: not a
+    case we handle."""
     shape = dst.shape
+    dim = dst.placements[mesh_dim].dim
     if not isinstance(src, DTensor):
         if not isinstance(src, torch.Tensor):
             return None
-        return torch.broadcast_to(src, shape).narrow(0, lo, n)
+        return torch.broadcast_to(src, shape).narrow(dim, lo, n)
     if src.device_mesh != dst.device_mesh or src.shape != shape:
         return None
     pls = src.placements
     if all(isinstance(p, Replicate) for p in pls):
-        return src._local_tensor.narrow(0, lo, n)
+        return src._local_tensor.narrow(dim, lo, n)
     if tuple(pls) == tuple(dst.placements) and all(
         isinstance(a, RowShard) == isinstance(b, RowShard) and getattr(a, "rows", None) == getattr(b, "rows", None)
         for a, b in zip(pls, dst.placements)
     ):
         return src._local_tensor
-    if type(pls[mesh_dim]) is Shard and pls[mesh_dim].dim == 0 and all(
+    if type(pls[mesh_dim]) is Shard and pls[mesh_dim].dim == dim and all(
         isinstance(p, Replicate) for d, p in enumerate(pls) if d != mesh_dim
     ):
         mesh = dst.device_mesh
-        rows = chunk_rows(shape[0], mesh.size(mesh_dim))
+        rows = chunk_rows(shape[dim], mesh.size(mesh_dim))
         if tuple(rows) == dst.placements[mesh_dim].rows:
             return src._local_tensor  # the same split: nothing to move
-        full = RowShard(0, rows)._to_replicate_tensor(src._local_tensor, mesh, mesh_dim, shape)
-        return full.narrow(0, lo, n)
+        full = RowShard(dim, rows)._to_replicate_tensor(src._local_tensor, mesh, mesh_dim, shape)
+        return full.narrow(dim, lo, n)
     return None
 
 

@@ -18,17 +18,20 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import OffloadPolicy
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from . import devices
 from .allocator import BucketAllocator
 from .comm import Communicator
+from .fsdp2_state import bind_runtime
+from .hooks import lazy_init
 from .mixed_precision import MixedPrecisionPolicy
 from .module import _EAGER_POST_FORWARD, _EAGER_PRE_FORWARD, FSDPModule
 from .offload import MainMemory, main_memory_for
 from .param_group import GroupConfig, ParameterGroup, ParamInfo
+from .shard_dim import InvalidShardDimError, shard_dims  # noqa: F401  (InvalidShardDimError: re-exported)
 from .shared_params import adopt_shared, mark_owned
-from .state import FSDPState
+from .state import FSDPState, unit_state
 from .state_dict import register_state_dict_hooks
 from .strategy import ShardingStrategy, Topology
 from .tensor_parallel import TPSpec, tp_spec_of
@@ -145,10 +148,6 @@ class AlreadyShardedError(ValueError, AssertionError):
     ``AssertionError`` (what FSDP2 raises for it), so either ``except`` catches it."""
 
 
-class InvalidShardDimError(ValueError, AssertionError):
-    """``shard_placement_fn`` named a dimension the parameter does not have (FSDP2: AssertionError)."""
-
-
 def _as_modules(module) -> list[nn.Module]:
     """``module`` or the list of modules that form one unit (FSDP2's ``fully_shard([a, b])``)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -209,23 +208,6 @@ def _dp_mesh(mesh: DeviceMesh, dims, strategy: ShardingStrategy, where: str) -> 
     return DeviceMesh._concatenate([sub(rep), sub(shard)]), strategy
 
 
-def _check_placements(shard_placement_fn: Callable, infos: list[list[ParamInfo]], params: list[nn.Parameter], where: str) -> None:
-    """FSDP2's ``shard_placement_fn``: mfsdp2 shards every parameter on dim 0 over the unit's mesh
-    (the rows of its flat buffer), so only ``None`` and ``Shard(0)`` are possible answers. A
-    dimension the parameter does not have is reported first, with FSDP2's error type for it."""
-    answers = [(info[0].fqn, p, shard_placement_fn(p)) for info, p in zip(infos, params)]
-    refused = [(fqn, p, r) for fqn, p, r in answers if r is not None and not (isinstance(r, Shard) and r.dim in (0, -p.dim()))]
-    refused.sort(key=lambda a: isinstance(a[2], Shard) and -a[1].dim() <= a[2].dim < a[1].dim())  # invalid dims first
-    if refused:
-        fqn, p, r = refused[0]
-        invalid = isinstance(r, Shard) and not -p.dim() <= r.dim < p.dim()
-        raise (InvalidShardDimError if invalid else ValueError)(
-            f"mfsdp2: shard_placement_fn returned {r!r} for parameter {fqn!r} of {where}; mfsdp2 "
-            "shards every parameter on dim 0 over the unit's mesh (row-aligned flat buffers), so return "
-            "Shard(0) or None for it (per-parameter meshes and other dims are not supported)"
-        )
-
-
 def _plain_spmd_params(modules: list[nn.Module], spmd_mesh: DeviceMesh, where: str) -> None:
     """With ``dp_mesh_dims``, FSDP2 takes DTensors replicated over the (data-parallel) SPMD mesh:
     their local tensors are the full parameters, which is what mfsdp2 shards."""
@@ -266,7 +248,9 @@ def fully_shard(
     ``mesh``: 1-D (the data-parallel ranks) or 2-D ``(replicate, shard)`` for HSDP; with
     ``dp_mesh_dims`` the whole SPMD mesh, of which those dims are used. Parameters that are already
     tensor-parallel DTensors are sharded over ``mesh`` and keep their TP placement.
-    ``shard_placement_fn`` may return ``None`` or ``Shard(0)`` (mfsdp2 shards dim 0 only).
+    ``shard_placement_fn`` may return ``None`` / ``Shard(0)`` or ``Shard(d)`` per parameter: the
+    parameter is then stored with dim ``d`` first so its rows are slices along ``d``
+    (:mod:`mfsdp2.shard_dim`; its gathered parameter is a strided view).
     ``offload_policy``: ``OffloadPolicy()``, or ``CPUOffloadPolicy(pin_memory=...)``: main
     weights, gradients and optimizer states in (pinned) host memory, the optimizer step on the
     CPU, compute on the mesh's device (:mod:`mfsdp2.offload`; on a CPU mesh the same code path).
@@ -335,8 +319,9 @@ def fully_shard(
     infos, params, specs = _collect(modules, comm.device, mesh, ignored, main)
     if main is not None:
         _move_buffers(modules, comm.device)
-    if shard_placement_fn is not None:
-        _check_placements(shard_placement_fn, infos, params, where)
+    # The dimension each parameter is sharded on (shard_placement_fn; mfsdp2.shard_dim).
+    dims = shard_dims(shard_placement_fn, [info[0].fqn for info in infos], params, where,
+                      topology.shard_dim is not None, [id(p) in specs for p in params])
     # Tied to a parameter a wrapped child sharded: take it over (for a list, the child must be
     # inside the first module; anything else is refused with advice).
     adopt_shared(modules[0], infos, params)
@@ -366,7 +351,7 @@ def fully_shard(
             [_tp_local(params[i]) if id(params[i]) in specs else params[i] for i in idx],
             mesh, comm, comm.device, mp_policy,
             GroupConfig(strategy, topology.shard_dim, replicate, key[2], main),
-            tp_specs=[specs.get(id(params[i])) for i in idx],
+            tp_specs=[specs.get(id(params[i])) for i in idx], shard_dims=[dims[i] for i in idx],
         )
         for key, idx in by_key.items()
     ]
@@ -396,6 +381,20 @@ def _make_unit_module(module: nn.Module, state: FSDPState) -> None:
     # ``_call_impl``, hooks included): they issue collectives, swap parameters and read host
     # state (graph-task ids, version counters) that dynamo cannot trace. FSDP2's hooks are
     # skipped by dynamo the same way; the module's own forward is still compiled.
-    module.register_forward_pre_hook(_EAGER_PRE_FORWARD, prepend=True, with_kwargs=True)
-    module.register_forward_hook(_EAGER_POST_FORWARD, always_call=False, with_kwargs=True)
+    state.forward_hook_handles.append((
+        module.register_forward_pre_hook(_EAGER_PRE_FORWARD, prepend=True, with_kwargs=True),
+        module.register_forward_hook(_EAGER_POST_FORWARD, always_call=False, with_kwargs=True),
+    ))
     register_state_dict_hooks(module)  # state_dict() from / load_state_dict() into the main weights
+
+
+def _state(module: nn.Module) -> Optional[FSDPState]:
+    """FSDP2's ``fully_shard.state(module)``: the unit state ``fully_shard`` attached to
+    ``module`` (the same object for every module of a ``fully_shard([a, b])`` unit), or ``None``
+    for a module it was not applied to. It answers FSDP2's private state names too
+    (:mod:`mfsdp2.fsdp2_state`)."""
+    return unit_state(module)
+
+
+fully_shard.state = _state
+bind_runtime(lazy_init=lazy_init)

@@ -26,6 +26,7 @@ from .grad_buckets import BucketMemberHandle, GradientBuckets
 from .offload import copy_to_main
 from .te import detach_main_grads
 from .tensor_parallel import local_grad
+from .shard_dim import storage_flat
 
 __all__ = ["GradientReduction"]
 
@@ -84,7 +85,7 @@ class GradientReduction:
                     continue
                 slot = layout.slots[i]
                 self.unsynced_grad[slot.offset : slot.offset + slot.numel].add_(
-                    local_grad(up.grad, self.tp_specs[i]).reshape(-1)
+                    storage_flat(local_grad(up.grad, self.tp_specs[i]), slot.shard_dim)
                 )
                 up.grad = None
                 self.unsynced_flags[i] = True
@@ -131,7 +132,7 @@ class GradientReduction:
             if acc is not None and self.unsynced_flags[i]:
                 view.copy_(acc[slot.offset : slot.offset + slot.numel])  # the unsynced micro-batches
                 if up.grad is not None:
-                    view.add_(local_grad(up.grad, self.tp_specs[i]).reshape(-1))
+                    view.add_(storage_flat(local_grad(up.grad, self.tp_specs[i]), slot.shard_dim))
                     up.grad = None
                 has_grad.append(True)
             elif fused and getattr(up, "grad_added_to_main_grad", False):
@@ -143,7 +144,7 @@ class GradientReduction:
                     view.zero_()
                 has_grad.append(False)
             else:
-                view.copy_(local_grad(up.grad, self.tp_specs[i]).reshape(-1))
+                view.copy_(storage_flat(local_grad(up.grad, self.tp_specs[i]), slot.shard_dim))
                 up.grad = None
                 has_grad.append(True)
             end = slot.offset + slot.numel

@@ -14,7 +14,9 @@ parameter is a contiguous view into it: zero copy).
 The optimizer sees each parameter as a DTensor sharded on dim 0, so every rank's piece of every
 parameter must be a whole number of dim-0 rows (possibly zero). A shard boundary ``b = m*S`` that
 falls strictly inside parameter ``p`` (starting at ``o``, rows of ``row`` elements) must satisfy
-``(b - o) % row == 0``.
+``(b - o) % row == 0``. (A parameter sharded on another dim ``d`` -- ``shard_placement_fn`` --
+is planned as its storage, ``d`` first, whose rows are its slices along ``d``: see
+:mod:`mfsdp2.shard_dim`; the planner only sees the storage shape.)
 
 How the plan meets that with little padding
 -------------------------------------------
@@ -40,13 +42,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 __all__ = ["ParamSlot", "ShardPiece", "BufferLayout", "plan_layout", "row_numel_of"]
 
 
 def _align_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
+
+
+def _moved(shape: Sequence[int], dim: int) -> tuple[int, ...]:
+    shape = tuple(int(x) for x in shape)
+    return shape if dim == 0 else (shape[dim],) + shape[:dim] + shape[dim + 1 :]
 
 
 def row_numel_of(shape: Sequence[int]) -> tuple[int, int]:
@@ -58,7 +65,11 @@ def row_numel_of(shape: Sequence[int]) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """Where one parameter lives in the flat (unsharded) buffer."""
+    """Where one parameter lives in the flat (unsharded) buffer.
+
+    ``shard_dim``: the parameter's dimension whose slices are the slot's rows (0 unless
+    ``shard_placement_fn`` asked for another): the slot holds the parameter with that dimension
+    moved to the front, ``storage_shape`` (see :mod:`mfsdp2.shard_dim`)."""
 
     index: int
     shape: tuple[int, ...]
@@ -66,6 +77,14 @@ class ParamSlot:
     numel: int
     num_rows: int
     row_numel: int
+    shard_dim: int = 0
+
+    @property
+    def storage_shape(self) -> tuple[int, ...]:
+        if self.shard_dim == 0:
+            return self.shape
+        d = self.shard_dim
+        return (self.shape[d],) + self.shape[:d] + self.shape[d + 1 :]
 
 
 @dataclass(frozen=True)
@@ -190,16 +209,20 @@ def _place(rows: list[tuple[int, int]], S: int, align: int) -> tuple[list[int], 
     return offsets, cursor
 
 
-def plan_layout(shapes: Sequence[Sequence[int]], world_size: int, align: int = 4) -> BufferLayout:
+def plan_layout(
+    shapes: Sequence[Sequence[int]], world_size: int, align: int = 4, dims: Optional[Sequence[int]] = None
+) -> BufferLayout:
     """Plan a row-aligned flat buffer for ``shapes`` split over ``world_size`` equal shards.
 
     Deterministic: the same arguments always give the same layout. ``align`` is in elements.
+    ``dims``: per parameter, the dimension whose slices are its rows (default 0 for all).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if align < 1:
         raise ValueError(f"align must be >= 1 element, got {align}")
-    rows = [row_numel_of(s) for s in shapes]
+    dims = [int(d) for d in dims] if dims is not None else [0] * len(shapes)
+    rows = [row_numel_of(_moved(s, d)) for s, d in zip(shapes, dims)]
     total = sum(r * c for r, c in rows)
     notes: list[str] = []
     longest = max((c for r, c in rows if r * c), default=0)
@@ -222,7 +245,7 @@ def plan_layout(shapes: Sequence[Sequence[int]], world_size: int, align: int = 4
             break
         S = _align_up(S + -(-(end - world_size * S) // world_size), multiple)
     slots = tuple(
-        ParamSlot(i, tuple(int(x) for x in shapes[i]), offsets[i], r * c, r, c)
+        ParamSlot(i, tuple(int(x) for x in shapes[i]), offsets[i], r * c, r, c, dims[i])
         for i, (r, c) in enumerate(rows)
     )
     if multiple != align:

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from .param_adoption import adopt_replaced, settle_all
+from .shard_dim import rows_along
 
 __all__ = ["materialize"]
 
@@ -108,7 +109,7 @@ def materialize(model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]]
             for g, i, attr in slots:
                 full = m._parameters[attr].detach()
                 lo = g.layout.piece(i, g.rank)
-                g.weights.piece_view(g.main_weight, i).copy_(full[lo.row_start : lo.row_end])
+                g.weights.piece_view(g.main_weight, i).copy_(rows_along(full, g.layout.slots[i].shard_dim, lo.row_start, lo.row_end))
         finally:
             for attr, dp in saved.items():
                 m._parameters[attr] = dp

@@ -407,6 +407,10 @@ class FSDPModule:
         )
         return out
 
+    def _get_fsdp_state(self) -> FSDPState:
+        """FSDP2's accessor of the unit state (``fully_shard.state(self)``)."""
+        return self._mfsdp2_state
+
     @property
     def allocator(self) -> BucketAllocator:
         """The allocator shared by every unit under this unit's root (after the first forward)."""

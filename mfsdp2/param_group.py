@@ -51,6 +51,7 @@ from .layout import BufferLayout, plan_layout
 from .mixed_precision import MixedPrecisionPolicy
 from .offload import MainMemory, copy_from_main
 from .placement import RowShard, data_parallel_dtensor, wrap_local
+from .shard_dim import rows_along
 from .strategy import ShardingStrategy
 from .weight_watch import fingerprint, watch
 from .te import fuses_wgrad  # TE's attribute protocol; TE itself is never imported
@@ -137,6 +138,7 @@ class ParameterGroup(GradientReduction):
         config: GroupConfig = GroupConfig(),
         tp_specs: Optional[list[Optional[TPSpec]]] = None,
         layout: Optional[BufferLayout] = None,
+        shard_dims: Optional[list[int]] = None,
     ):
         self.unit_name = unit_name
         # Per parameter: its tensor-parallel spec (``params`` then holds the TP-local tensors).
@@ -170,7 +172,10 @@ class ParameterGroup(GradientReduction):
         itemsize = min(torch.finfo(d).bits if d.is_floating_point else torch.iinfo(d).bits
                        for d in (self.compute_dtype, self.main_dtype)) // 8
         # ``layout``: keep an existing group's rows (a dtype conversion after fully_shard, see conversion.py).
-        self.layout = layout or plan_layout([tuple(p.shape) for p in params], comm.world_size, align=max(16 // itemsize, 1))
+        # ``shard_dims``: the dimension each parameter is sharded on (shard_placement_fn; mfsdp2.shard_dim).
+        self.layout = layout or plan_layout(
+            [tuple(p.shape) for p in params], comm.world_size, align=max(16 // itemsize, 1), dims=shard_dims
+        )
 
         self.persistent = not config.strategy.shards_params
         # Main and model weights may share memory: same dtype, and the main state not offloaded.
@@ -232,7 +237,7 @@ class ParameterGroup(GradientReduction):
                 piece = self.weights.piece_view(self.main_weight, i)
                 lo = self.layout.piece(i, self.rank)
                 src = p.detach().reshape(p.shape)
-                piece.copy_(src[lo.row_start : lo.row_end] if p.dim() else src)
+                piece.copy_(rows_along(src, self.layout.slots[i].shard_dim, lo.row_start, lo.row_end))
         self._make_params(params)
         _LIVE.add(self)
         self.te_fused = fuses_wgrad(self)
@@ -304,7 +309,8 @@ class ParameterGroup(GradientReduction):
         global; a TP parameter's lives on the (tp, dp) mesh, see :mod:`mfsdp2.tensor_parallel`)."""
         placement = self._row_shards.get(index)
         if placement is None:  # one per parameter: its rows never change (O(world size) to build)
-            placement = self._row_shards[index] = RowShard(0, self.layout.rows_per_rank(index))
+            slot = self.layout.slots[index]
+            placement = self._row_shards[index] = RowShard(slot.shard_dim, self.layout.rows_per_rank(index))
         spec = self.tp_specs[index]
         if spec is None:
             return data_parallel_dtensor(local, self.mesh, placement, shape, self.config.shard_dim)

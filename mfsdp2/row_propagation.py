@@ -17,6 +17,14 @@ its own input rows, so the output holds exactly the input's rows. Shape argument
 rewrote from the global shape to the local one (``view``, ``new_empty``) are recomputed from the
 relabelled placement.
 
+Any dim. "Rows" are slices along the dim a placement splits: dim 0 for most of our parameters,
+``d`` for one ``shard_placement_fn`` shards on ``d`` (``RowShard(d)``, :mod:`mfsdp2.shard_dim`).
+Inputs are grouped by the size of the dim they are split on (two operands of a pointwise op, a
+matmul's contraction dim), and an output split on a dim of that size carries the rows on that dim
+(``p.t()`` of a dim-0 parameter is ``RowShard(1)``). A ``torch.chunk`` split of another dim is
+brought to our rows through ``Replicate``: DTensor's own change of shard dim splits the new dim by
+``torch.chunk``.
+
 Mixed splits. An op combining DTensors whose dim-0 rows are split differently -- our parameter
 and a same-shape ``torch.chunk`` ``Shard(0)`` tensor (``p + q``, ``p.grad.add_(q)``,
 ``torch.lerp``, ``_foreach_add_``), two of our parameters with other rows (another offset or unit),
@@ -493,11 +501,11 @@ def _replace_everywhere(attr: str, plain, wrapped) -> None:
 
 
 def _split(pl, n: int, k: int) -> Optional[tuple[int, ...]]:
-    """The slices per rank a shard placement means for a dim of ``n`` over ``k`` ranks (None: not
-    a shard)."""
+    """The rows per rank a row placement means for ``n`` rows (slices along its dim) over ``k``
+    ranks (None: not one)."""
     if isinstance(pl, RowShard):
         return tuple(pl.rows)
-    if isinstance(pl, Shard):
+    if type(pl) is Shard:
         return chunk_rows(n, k)
     return None
 
@@ -545,7 +553,9 @@ def _via_replicate(cur, tgt, k: int) -> bool:
     (DTensor's reduce-scatter splits by ``torch.chunk``)."""
     if _rows_move(cur, tgt, k):
         return True
-    return isinstance(tgt, RowShard) and cur.is_partial()
+    # Into our rows from a sum, or from torch.chunk slices of another dim (DTensor's own
+    # shard-dim change, an all-to-all, splits the new dim by torch.chunk too).
+    return isinstance(tgt, RowShard) and (cur.is_partial() or (type(cur) is Shard and cur.dim != tgt.dim))
 
 
 def _wrap_redistribute_local_tensor(plain):

@@ -110,7 +110,7 @@ def _rebuild_without(state: "FSDPState", g: "ParameterGroup", idx: int) -> None:
         params.append(p)
     new = ParameterGroup(
         g.unit_name, [g.infos[j] for j in keep], params, g.mesh, g.comm, g.device, state.mp, g.config,
-        tp_specs=[g.tp_specs[j] for j in keep],
+        tp_specs=[g.tp_specs[j] for j in keep], shard_dims=[g.layout.slots[j].shard_dim for j in keep],
     )
     for j, dp in zip(keep, new.dist_params):
         dp._mfsdp2_original = getattr(g.dist_params[j], "_mfsdp2_original", None)

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .allocator import BucketAllocator
 from .trace_pool import make_allocator
 from .comm import Communicator
+from .fsdp2_state import FSDP2StateNames
 from .gather_buckets import PersistentGathers
 from .grad_buckets import GradientBuckets
 from .mixed_precision import MixedPrecisionPolicy
@@ -44,8 +45,9 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = "post_backward"  # gradients handed to reduce-scatter
 
 
-class FSDPState:
-    """Everything ``fully_shard`` attached to one module."""
+class FSDPState(FSDP2StateNames):
+    """Everything ``fully_shard`` attached to one module (``fully_shard.state(module)``; FSDP2's
+    private names for it come from :class:`~mfsdp2.fsdp2_state.FSDP2StateNames`)."""
 
     def __init__(
         self,
@@ -98,6 +100,8 @@ class FSDPState:
         self.unsettled = False
         # set_reduce_scatter_unused_params(True): agree on gradient presence (mfsdp2.grad_presence)
         self.reduce_unused_params = False
+        # (pre-forward, post-forward) hook handles of each module of the unit (fully_shard).
+        self.forward_hook_handles: list = []
 
     def __repr__(self) -> str:
         return f"FSDPState({self.name!r}, {self.shard_state.value}, {self.training_state.value})"

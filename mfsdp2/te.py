@@ -62,8 +62,7 @@ def attach_main_grads(group: Group, allocator: "BucketAllocator", key) -> None:
         group.fused_key = key
     full = group.fused_full
     for i, up in enumerate(group.unsharded_params):
-        slot = group.layout.slots[i]
-        up.main_grad = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        up.main_grad = group.weights.param_view(full, i)
         if not getattr(up, "grad_added_to_main_grad", False):
             up.grad_added_to_main_grad = False
         up.overwrite_main_grad = False

@@ -73,8 +73,8 @@ EXPECTED = {
     "E43": (ValueError, "helpers handle row-sharded 1-D layouts"),
     "E44": (ValueError, "is a UninitializedParameter, a tensor subclass"),
     "E45": (ValueError, "a container without a forward of its own"),
-    "E46": (ValueError, "shards every parameter on dim 0"),
-    "E47": (InvalidShardDimError, "shards every parameter on dim 0"),
+    "E46": (ValueError, "on one dimension: return Shard(d) or None"),
+    "E47": (InvalidShardDimError, "which has 1 dims; return Shard(d) with -1 <= d < 1, or None"),
     "E48": (ValueError, "all-reduce bucket size must be >= 0 MiB"),
     "E49": (UnreducedGradientsError, "no backward reduced"),
     "E50": (RuntimeError, "are still on the meta device (the model was built under torch.device('meta')); give them memory first"),
@@ -85,6 +85,7 @@ EXPECTED = {
     "E56": (RuntimeError, "was replaced after fully_shard by a plain Parameter of shape (40, 16)"),
     "E57": (RuntimeError, "have different dtypes after some of them were converted or replaced"),
     "E58": (RuntimeError, "parameter 'fc1.weight' of unit 'blocks.0' was converted (.to / to_empty / .half ...) after the first forward"),
+    "E59": (RuntimeError, "the state dict's value is on the meta device (no values"),
     "E54": (StaleParameterError, "SGD holds parameter 'inp.weight' of unit 'root' as it was before fully_shard"),
     "E60": (UnsupportedOptimizerError, "torch.optim.Adafactor cannot step sharded parameter 'inp.weight' of unit 'root'"),
 }
@@ -162,7 +163,13 @@ def _rows_ws1(rank, ws):
         meta = nn.Linear(3, 3)
     fully_shard(meta, mesh=mesh)  # fine: shapes are all it needs; values come from materialize()
     _capture(out, "E04", lambda: meta(torch.zeros(1, 3)))
-    _capture(out, "E50", lambda: meta.load_state_dict({"weight": torch.ones(3, 3), "bias": torch.ones(3)}))
+    from mfsdp2 import state_dict as msd
+
+    _capture(out, "E50", lambda: msd.get_optimizer_state_dict(meta, torch.optim.SGD(meta.parameters(), lr=0.1)))
+    with torch.device("meta"):
+        other = nn.Linear(3, 3)
+    fully_shard(other, mesh=mesh)
+    _capture(out, "E59", lambda: meta.load_state_dict(other.state_dict()))
 
     with torch.device("meta"):
         mixed = nn.Sequential(nn.Linear(3, 3))
@@ -209,7 +216,9 @@ def _rows_ws1(rank, ws):
     _capture(out, "E45", lambda: fully_shard(nn.ModuleList([nn.Linear(3, 3)]), mesh=mesh))
     from torch.distributed.tensor import Shard
 
-    _capture(out, "E46", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1)))
+    from torch.distributed.tensor import Replicate
+
+    _capture(out, "E46", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=lambda p: Replicate()))
     _capture(out, "E47", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=lambda p: Shard(1)))
     from torch.distributed.fsdp import CPUOffloadPolicy
 

@@ -202,8 +202,11 @@ def units(model: nn.Module) -> list:
     states = [s for s in map(unit_state, model.modules()) if s is not None]
     for s in states:
         for g in s.groups:
-            if g.config.shard_dim is None or g.mesh.ndim != 1 or any(t is not None for t in g.tp_specs):
-                kind = "no_shard" if g.config.shard_dim is None else ("HSDP" if g.mesh.ndim != 1 else "FSDP x TP")
+            other_dim = any(slot.shard_dim for slot in g.layout.slots)
+            if g.config.shard_dim is None or g.mesh.ndim != 1 or any(t is not None for t in g.tp_specs) or other_dim:
+                kind = "no_shard" if g.config.shard_dim is None else (
+                    "HSDP" if g.mesh.ndim != 1 else "FSDP x TP" if not other_dim else "sharded on dim != 0 for some parameters (shard_placement_fn)"
+                )
                 raise ValueError(
                     f"mfsdp2.state_dict helpers handle row-sharded 1-D layouts (ZeRO-1/2/3 on a 1-D mesh); "
                     f"unit {s.name!r} is {kind}. Save and load its model state with model.state_dict() / "
@@ -224,18 +227,20 @@ def model_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
     return next(iter(meshes.values())).get_group()
 
 
-def check_loadable(state, what: str = "load a state dict into") -> None:
+def check_loadable(state, what: str = "load a state dict into", meta_ok: bool = False) -> None:
     """Refuse to write main weights while the unit's gathered weights are in use.
 
     Mid-forward/backward the gathered copy feeds autograd; writing the main shard then would mix
     old and new weights in one step. A unit gathered outside a step (``unshard()``, the root after a
     forward whose backward has not run) registers its *unsharded* compute tensors on the module, so
-    the default loader would write those instead of the main weights.
+    the default loader would write those instead of the main weights. ``meta_ok``: the caller
+    gives groups still on the meta device their memory first (a model state dict load is their
+    init); other writers refuse them.
     """
     from ..state import ShardState, TrainingState
 
     meta = [g.name for g in state.groups if not g.allocated]
-    if meta:  # writing into meta shards would drop the values without a word
+    if meta and not meta_ok:  # writing into meta shards would drop the values without a word
         raise RuntimeError(
             f"mfsdp2: cannot {what} unit {state.name!r}: the parameters of {meta} are still on the "
             "meta device (the model was built under torch.device('meta')); give them memory first "

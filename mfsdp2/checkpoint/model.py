@@ -20,10 +20,23 @@ optimizer step. A
 checkpoint is never routed through the compute-dtype copy, which would round fp32 main weights to
 bf16 (the precision regression the Megatron review warned about).
 
+**Loading into a model built on the meta device** is its initialisation (DSD's
+``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``, which ends in
+``load_state_dict(sd, assign=True)``; Accelerate's ``cpu_ram_efficient_loading``; a plain load):
+the pre-hook gives the unit's meta groups their memory (``ParameterGroup.allocate``: the same
+DTensor parameter objects, so ``assign=True`` re-registers them and an optimizer built before or
+after steps them) and writes the values as above; a group counts as initialised once each of its
+parameters was loaded (loads of some keys with ``strict=False`` add up). A source entry on the meta
+device has no values and is refused.
+
 Parameters on other layouts -- ``no_shard`` (``Replicate``), HSDP (``(Replicate, RowShard)``) and
 FSDP x TP (``(tp placement, RowShard)`` on a (tp, dp) mesh) -- take one generic path: saving rebuilds
 the entry with the parameter's own mesh and placements, loading slices a full tensor at the offsets
 ``compute_local_shape_and_global_offset`` derives from those placements and the *global* shape.
+The same path takes parameters sharded on a dim other than 0 (``RowShard(d)``, :mod:`mfsdp2.shard_dim`).
+A source DTensor is read locally only when its placements put the same elements on every rank:
+``RowShard`` compares equal to a plain ``Shard`` of its dim, but FSDP2's ``torch.chunk`` rows are
+ours only by chance.
 
 A plain ``Shard(0)`` label is ambiguous for our uneven layouts: torch puts it on genuine
 ``torch.chunk`` shards (``distribute_tensor``, FSDP2) and also on results derived from our
@@ -34,6 +47,7 @@ all-reduce over the ranks' local row counts decides which it is.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -107,8 +121,17 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, loca
 
 
 def _generic(dp: DTensor) -> bool:
-    """Not a 1-D ``RowShard`` parameter (no_shard, HSDP, FSDP x TP)."""
-    return dp.device_mesh.ndim != 1 or not isinstance(dp.placements[0], RowShard)
+    """Not a 1-D dim-0 ``RowShard`` parameter (no_shard, HSDP, FSDP x TP, another shard dim)."""
+    return dp.device_mesh.ndim != 1 or not isinstance(dp.placements[0], RowShard) or dp.placements[0].dim != 0
+
+
+def _same_placements(a, b) -> bool:
+    """Placements that put the same elements on every rank: ``RowShard`` compares equal to a plain
+    ``Shard`` of its dim (for DTensor's rules), but its rows are torch.chunk's only by chance."""
+    return len(a) == len(b) and all(
+        x == y and isinstance(x, RowShard) == isinstance(y, RowShard) and getattr(x, "rows", None) == getattr(y, "rows", None)
+        for x, y in zip(a, b)
+    )
 
 
 def _write_generic(key: str, dp: DTensor, src, state_dict: dict) -> None:
@@ -116,7 +139,7 @@ def _write_generic(key: str, dp: DTensor, src, state_dict: dict) -> None:
     if src is dp or not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(dp.shape):
         return  # the default loader reports type / size mismatches
     if isinstance(src, DTensor):
-        if src.device_mesh == dp.device_mesh and tuple(src.placements) == tuple(dp.placements):
+        if src.device_mesh == dp.device_mesh and _same_placements(tuple(src.placements), tuple(dp.placements)):
             if src.to_local().data_ptr() != dp._local_tensor.data_ptr():
                 dp._local_tensor.copy_(src.to_local())
             state_dict[key] = dp
@@ -137,16 +160,60 @@ def _same_memory(src: DTensor, dp: DTensor) -> bool:
     return a.shape == b.shape and (a.numel() == 0 or a.data_ptr() == b.data_ptr())
 
 
+# Groups built on the meta device that a load has started to fill: the indices of the parameters
+# written so far (a load of some keys, ``strict=False``, then of the others).
+_filling: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
     state = module._mfsdp2_state
     entries = [(k, dp, rows) for k, dp, rows in _own_entries(module, prefix) if k in state_dict]
     if not entries:
         return
-    check_loadable(state)
+    check_loadable(state, meta_ok=True)
+    _refuse_meta_sources(state, entries, state_dict)
+    # A model built on the meta device (DSD's broadcast_from_rank0 / full_state_dict loads with
+    # assign=True, Accelerate's cpu_ram_efficient_loading, plain load_state_dict): the load is
+    # its init. Its groups get their memory here -- the same DTensor parameter objects, so an
+    # optimizer built before or after steps them -- and the values are written as for any load.
+    fresh = [g for g in state.groups if g.needs_init and any(dp is e[1] for e in entries for dp in g.dist_params)]
+    for g in fresh:
+        g.allocate()
+    written = {
+        id(dp) for k, dp, _ in entries
+        if state_dict[k] is not dp and isinstance(state_dict[k], torch.Tensor) and tuple(state_dict[k].shape) == tuple(dp.shape)
+    }
     with torch.no_grad():
         _write_main_weights(entries, state_dict)
+    _note_filled(state, written)
     for g in state.groups:  # every rank loads: re-cast and re-gather at the next use
         g.mark_changed()
+
+
+def _refuse_meta_sources(state, entries, state_dict) -> None:
+    """An entry on the meta device holds no values (a state dict taken from a meta model, or this
+    meta model's own entries): loading it would leave the parameter uninitialised."""
+    for key, dp, _ in entries:
+        src = state_dict[key]
+        if isinstance(src, torch.Tensor) and src.is_meta and src is not dp and tuple(src.shape) == tuple(dp.shape):
+            raise RuntimeError(
+                f"mfsdp2: cannot load {key!r} into unit {state.name!r}: the state dict's value is on the meta "
+                "device (no values; a state dict taken from a model built under torch.device('meta')). "
+                "Load a state dict with values (a checkpoint, or a materialised model's)"
+            )
+
+
+def _note_filled(state, loaded: set) -> None:
+    """Meta-built groups whose every parameter has been loaded (``loaded``: ids of the DTensor
+    parameters this load wrote) are initialised: forward allowed."""
+    for g in state.groups:
+        if not g.needs_init or not g.allocated:
+            continue
+        done = _filling.setdefault(g, set())
+        done.update(i for i, dp in enumerate(g.dist_params) if id(dp) in loaded)
+        if len(done) == len(g.dist_params):
+            g.needs_init = False
+            del _filling[g]
 
 
 def _write_main_weights(entries, state_dict) -> None:
