@@ -45,7 +45,6 @@ class FlatState:
         self.indices: set[int] = set()
         self.views: dict[int, dict[str, torch.Tensor]] = {}
         self.max_exp_avg_sq: Optional[torch.Tensor] = None
-        self._grad_key = None
         self.grad: Optional[torch.Tensor] = None
         self._make(set(indices))
 
@@ -60,6 +59,7 @@ class FlatState:
         # (offset in the span, length); an empty piece's offset is never used
         self.pieces = {i: (pc.shard_offset - self.base if pc.numel else 0, pc.numel) for i, pc in pieces.items()}
         self.indices = indices
+        self._grad_key = None  # the span moved: re-slice the main gradient
         w = g.main_weight
         self.weight = w[self.base:self.base + self.span]
         self.exp_avg = torch.zeros(self.span, dtype=w.dtype, device=w.device)
@@ -122,24 +122,26 @@ class FlatState:
             self.views[i] = v
         return v
 
+    @staticmethod
+    def _keys(amsgrad: bool) -> tuple:
+        return ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("step", "exp_avg", "exp_avg_sq")
+
     def ensure(self, st: dict, i: int, amsgrad: bool, name: str) -> None:
-        """Make the state dict ``st`` of parameter ``i`` hold our views: fresh zeros (torch's lazy
-        initialisation) when empty, else the values it holds, copied in."""
+        """Make the state dict ``st`` of parameter ``i`` hold our views (``max_exp_avg_sq`` only
+        with amsgrad, as torch): fresh zeros (torch's lazy initialisation) when empty, else the
+        values it holds, copied in."""
         if amsgrad:
             self.need_max()
         v = self.views_of(i)
-        if not st:
-            for k, t in v.items():
-                (t._local_tensor if isinstance(t, DTensor) else t).zero_()
-            st.update(v)
-            return
-        for k, t in v.items():
+        fresh = not st
+        for k in self._keys(amsgrad):
+            t = v[k]
             cur = st.get(k)
             if cur is t:
                 continue
-            if cur is None:
-                if k == "max_exp_avg_sq":  # amsgrad turned on with states already there: torch would fail
-                    t._local_tensor.zero_()
+            if cur is None:  # a fresh state; or amsgrad turned on with states already there (torch fails)
+                if fresh or k == "max_exp_avg_sq":
+                    (t._local_tensor if isinstance(t, DTensor) else t).zero_()
                     st[k] = t
                 continue
             _copy_into(t, cur, self.group, i, f"{name}[{k!r}]")
@@ -148,10 +150,11 @@ class FlatState:
     def owns(self, st: dict, i: int, amsgrad: bool) -> bool:
         """Whether ``st`` holds exactly our views of parameter ``i`` (amsgrad's included)."""
         v = self.views.get(i)
-        if v is None or (amsgrad and "max_exp_avg_sq" not in v):
+        if v is None:
             return False
-        for k, t in v.items():
-            if st.get(k) is not t:
+        for k in self._keys(amsgrad):
+            t = v.get(k)
+            if t is None or st.get(k) is not t:
                 return False
         return True
 

@@ -81,7 +81,7 @@ def _probe(mod) -> tuple:
                     p.grad = g
                 opt.step()
             want = torch.cat([p.detach() for p in ref] + [opt.state[p][k] for k in ("exp_avg", "exp_avg_sq") for p in ref])
-            offs, rows, pos = [], [], 0
+            rows, pos = [], 0
             for i, n in enumerate(sizes):
                 rows.append([0, pos, n, 0, i])
                 pos += n
@@ -119,7 +119,7 @@ class NativeStep:
         self.arithmetic = arithmetic
         self.dtype = dtype
         self.flats: dict[int, int] = {}
-        self.tensors: list[list[torch.Tensor]] = [[] for _ in range(6)]
+        self.states: list = []
         self.rows: list[tuple] = []
         self.hyper: list[list[float]] = []
         self._hyper_of: dict[int, int] = {}
@@ -137,21 +137,24 @@ class NativeStep:
     def add(self, fs, i: int, row: int) -> None:
         k = self.flats.get(id(fs))
         if k is None:
-            k = self.flats[id(fs)] = len(self.flats)
-            vmax = fs.max_exp_avg_sq
-            if vmax is None:
-                vmax = _EMPTY.get(self.dtype)
-                if vmax is None:
-                    vmax = _EMPTY[self.dtype] = torch.empty(0, dtype=self.dtype)
-            for lst, t in zip(self.tensors, (fs.weight, fs.grad, fs.exp_avg, fs.exp_avg_sq, vmax, fs.steps)):
-                lst.append(t)
-        off, n = fs.pieces[i]
-        self.rows.append((k, off, n, row, i))
+            k = self.flats[id(fs)] = len(self.states)
+            self.states.append(fs)
+        self.rows.append((k, i, row))
 
     def run(self) -> None:
+        """The call. Flat tensors and offsets are read now: a later parameter may have turned
+        amsgrad's state on, or grown the span, of a flat state added before."""
         if not self.rows:
             return
-        self.mod.adamw_step(*self.tensors, torch.tensor(self.rows, dtype=torch.int64),
+        empty = _EMPTY.get(self.dtype)
+        if empty is None:
+            empty = _EMPTY[self.dtype] = torch.empty(0, dtype=self.dtype)
+        fss = self.states
+        rows = [(k, *fss[k].pieces[i], row, i) for k, i, row in self.rows]
+        self.mod.adamw_step([fs.weight for fs in fss], [fs.grad for fs in fss], [fs.exp_avg for fs in fss],
+                            [fs.exp_avg_sq for fs in fss],
+                            [fs.max_exp_avg_sq if fs.max_exp_avg_sq is not None else empty for fs in fss],
+                            [fs.steps for fs in fss], torch.tensor(rows, dtype=torch.int64),
                             torch.tensor(self.hyper, dtype=torch.float64), *self.arithmetic)
 
 
