@@ -84,6 +84,8 @@ class AdamW(torch.optim.AdamW):
         self._flat: dict[int, FlatState] = {}  # id(ParameterGroup) -> its flat state
         # id(param) -> (group, index, its local tensor's data_ptr, piece numel), or None: not mfsdp2's
         self._where: dict[int, Optional[tuple]] = {}
+        # id(param) -> (param, group, index, flat state, data_ptr, numel): the last step's answer
+        self._resolved: dict[int, tuple] = {}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -110,7 +112,10 @@ class AdamW(torch.optim.AdamW):
                 where.setdefault(id(p), None)
         self._where = where
         groups = {id(h[0]) for h in where.values() if h is not None}
-        self._flat = {k: fs for k, fs in self._flat.items() if k in groups}
+        for k, fs in list(self._flat.items()):
+            if k not in groups:
+                fs.retired = True
+                del self._flat[k]
 
     def _find(self, p: torch.Tensor) -> Optional[tuple]:
         """``(group, index)`` of an mfsdp2 parameter, None for any other."""
@@ -129,10 +134,30 @@ class AdamW(torch.optim.AdamW):
     def _state_for(self, g, i: int) -> FlatState:
         fs = self._flat.get(id(g))
         if fs is None or fs.group is not g or fs.stale():
+            if fs is not None:
+                fs.retired = True
             fs = self._flat[id(g)] = FlatState(g, self._indices_of(g))
         elif not fs.covers(i):
             fs.grow(self._indices_of(g), self.state.values())
         return fs
+
+    def _resolve(self, p: torch.Tensor) -> Optional[tuple]:
+        """``(group, index, flat state)`` of an mfsdp2 parameter, None for any other. The last
+        answer is reused while the parameter's rows are where they were and its flat state is
+        current (a handful of identity checks)."""
+        r = self._resolved.get(id(p))
+        if r is not None and r[0] is p and not r[3].retired and (not r[5] or p._local_tensor.data_ptr() == r[4]) \
+                and r[3].covers(r[2]) and not r[3].stale():
+            return r[1], r[2], r[3]
+        hit = self._find(p)
+        if hit is None:
+            self._resolved.pop(id(p), None)
+            return None
+        g, i = hit
+        fs = self._state_for(g, i)
+        _, _, ptr, n = self._where[id(p)]
+        self._resolved[id(p)] = (p, g, i, fs, ptr, n)
+        return g, i, fs
 
     def _indices_of(self, g) -> set[int]:
         """Indices of ``g``'s parameters this optimizer holds."""
@@ -177,12 +202,11 @@ class AdamW(torch.optim.AdamW):
                 grad = p.grad
                 if grad is None:
                     continue
-                hit = self._find(p)
+                hit = self._resolve(p)
                 if hit is None:
                     other.append(p)
                     continue
-                g, i = hit
-                fs = self._state_for(g, i)
+                g, i, fs = hit
                 st = self.state[p]
                 if not fs.owns(st, i, amsgrad):
                     fs.ensure(st, i, amsgrad, self._name(g, i))

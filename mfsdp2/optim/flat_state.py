@@ -42,6 +42,7 @@ class FlatState:
     def __init__(self, group, indices: Iterable[int]):
         self.group = group
         self.source = group.main_weight  # the shard the spans are offsets into (re-made if replaced)
+        self.retired = False  # replaced by a newer flat state of the optimizer
         self.indices: set[int] = set()
         self.views: dict[int, dict[str, torch.Tensor]] = {}
         self.max_exp_avg_sq: Optional[torch.Tensor] = None
