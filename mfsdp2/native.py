@@ -20,6 +20,9 @@ for, so a build for one torch is never loaded by another; a module that fails to
 Results are **bit-identical** to the references (tests/test_native.py): float8 rounding is
 torch's (round to nearest, ties to even, of the clamped value), and dequantising is a lookup in
 256-entry per-segment tables that torch computes with the reference's own operations.
+
+The same module holds the flat AdamW step (``csrc/adamw.cpp``); :mod:`mfsdp2.optim.kernel` binds
+it, and torch's own AdamW arithmetic is its reference.
 """
 
 from __future__ import annotations

@@ -143,3 +143,53 @@ def test_kernel_refuses_bad_tables():
         amsgrad[0, 5] = 1
         mod.adamw_step([x], [x.clone()], [x.clone()], [x.clone()], [torch.empty(0)], [steps],
                        torch.tensor([[0, 0, 4, 0, 0]]), amsgrad, *ARITH)
+
+
+def _torch_ops_ieee_sqrt(p, g, m, v, vmax, step, h, fma_lerp, fma_addcmul):
+    """One AdamW step with torch's ops in torch's order, but an IEEE square root (numpy's):
+    what the kernel's single-loop variant must give (torch builds without MKL)."""
+    import numpy as np
+
+    lr, b1, b2, eps, wd, ams, mx = h
+    g = -g if mx else g
+    if wd:
+        p.mul_(1 - lr * wd)
+    if fma_lerp:
+        m.lerp_(g, 1 - b1)
+    else:
+        w = torch.tensor(1 - b1, dtype=m.dtype)
+        m.copy_(torch.where(w.abs() < 0.5, w * (g - m) + m, (w - 1) * (g - m) + g))
+    v.mul_(b2)
+    if fma_addcmul:
+        v.addcmul_(g, g, value=1 - b2)
+    else:
+        v.copy_(v + torch.tensor(1 - b2, dtype=v.dtype) * g * g)
+    if ams:
+        torch.maximum(vmax, v, out=vmax)
+    src = vmax if ams else v
+    root = torch.from_numpy(np.sqrt(src.numpy()))
+    bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+    den = (root / bc2 ** 0.5).add_(eps)
+    p.addcdiv_(m, den, value=-(lr / bc1))
+
+
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(n=_sizes, dtype=st.sampled_from([torch.float32, torch.float64]), hyper=_hyper, seed=st.integers(0, 2**31))
+def test_ieee_sqrt_variant(n, dtype, hyper, seed):
+    """The single-loop variant (IEEE root) against torch's ops with numpy's IEEE root, with this
+    machine's rounding of lerp / addcmul (ARITH): the path of torch builds without MKL."""
+    gen = torch.Generator().manual_seed(seed)
+    h = [hyper["lr"], *hyper["betas"], hyper["eps"], hyper["weight_decay"], hyper["amsgrad"], hyper["maximize"]]
+    p = torch.randn(n, generator=gen, dtype=dtype)
+    m, v, vmax = (torch.zeros(n, dtype=dtype) for _ in range(3))
+    ours = [t.clone() for t in (p, m, v, vmax)]
+    steps = torch.zeros(1)
+    for s in range(1, 4):
+        g = _grad(gen, n, dtype, s, nonfinite=s == 2)
+        _torch_ops_ieee_sqrt(p, g, m, v, vmax, s, h, *ARITH[:2])
+        kernel._module().adamw_step([ours[0]], [g], [ours[1]], [ours[2]], [ours[3]], [steps],
+                                    torch.tensor([[0, 0, n, 0, 0]]), torch.tensor([h], dtype=torch.float64),
+                                    ARITH[0], ARITH[1], False)
+    for a, b, k in zip(ours, (p, m, v, vmax), ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")):
+        assert same_bits(a, b), k
