@@ -122,6 +122,18 @@ def _step_grads(case, step: int, named):
     return out
 
 
+def _watch_fallbacks(opt) -> list:
+    """Record the parameters an optimizer of ours hands to torch's per-tensor code."""
+    seen, inner = [], opt._torch_step
+
+    def torch_step(group, params):
+        seen.extend(params)
+        inner(group, params)
+
+    opt._torch_step = torch_step
+    return seen
+
+
 def _inject(model, views, grads) -> None:
     """Each parameter's gradient := this rank's rows of ``grads[name]`` (None: no gradient)."""
     for n, p in model.named_parameters():
@@ -157,6 +169,7 @@ def _equivalence_case(rank, case, meshes, variant: str):
     ropt = torch.optim.AdamW(_param_groups(list(models[1].named_parameters()), case), **kw)
     views = [{n: p.grad for n, p in m.named_parameters()} for m in models]
     groups = _groups_of(models[0])
+    fallbacks = _watch_fallbacks(opt)
     for s in range(3):
         grads = _step_grads(case, s, list(build("net", dtype=dtype).named_parameters()))
         for m, v in zip(models, views):
@@ -170,6 +183,7 @@ def _equivalence_case(rank, case, meshes, variant: str):
             opt.step()
         ropt.step()
     what = f"{variant} {case}"
+    assert all(not isinstance(p, DTensor) for p in fallbacks), f"{what}: mfsdp2 parameters left the flat step"
     # fused: both sharded alike, compare local pieces; else the full tensors with the unsharded model
     get = (lambda t: t.to_local() if isinstance(t, DTensor) else t) if fused else full
     for (n, p), rp in zip(models[0].named_parameters(), models[1].parameters()):
@@ -230,10 +244,12 @@ def _train_pair(rank, ws, layouts):
             opt = (AdamW if who == "ours" else torch.optim.AdamW)(groups, lr=1e-2, weight_decay=0.1,
                                                                   **({} if who == "ours" else {"foreach": False}))
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+            fallbacks = _watch_fallbacks(opt) if who == "ours" else []
             losses = []
             for s in range(4):
                 losses.append(sharded_train_step(model, opt, s, rank, ws, 8))
                 sched.step()
+            assert not fallbacks, (layout, kind, "parameters left the flat step")
             runs[who] = (model, opt, losses)
         (m1, o1, l1), (m2, o2, l2) = runs["ours"], runs["torch"]
         assert l1 == l2, (layout, kind, l1, l2)
@@ -322,3 +338,39 @@ def _fallbacks(rank, ws):
 def test_fallbacks_and_refusals():
     for r in run_ranks(_fallbacks, 2):
         assert all(r.values()) and len(r) == 4, r
+
+
+# -- FSDP x TP -------------------------------------------------------------------------------------
+def _dp_tp(rank, ws):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    runs = []
+    for cls in (AdamW, torch.optim.AdamW):
+        model = build("net", dtype=F64)
+        for b in model.blocks:
+            parallelize_module(b, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            fully_shard(b, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=True, **({} if cls is AdamW else {"foreach": False}))
+        fallbacks = _watch_fallbacks(opt) if cls is AdamW else []
+        losses = [sharded_train_step(model, opt, s, rank, ws, 8, dp=(mesh.get_local_rank(0), 2)) for s in range(3)]
+        assert not fallbacks, "TP parameters left the flat step"
+        runs.append((model, opt, losses))
+    (m1, o1, l1), (m2, o2, l2) = runs
+    assert l1 == l2, (l1, l2)
+    for (n, p), q in zip(m1.named_parameters(), m2.parameters()):
+        assert p.placements == q.placements and same_bits(p.to_local(), q.to_local()), n
+        for k, v in o2.state[q].items():
+            mine = o1.state[p][k]
+            if k != "step":
+                assert mine.placements == v.placements, (n, k)
+            assert same_bits(mine.to_local() if k != "step" else mine, v.to_local() if k != "step" else v), (n, k)
+    return l1
+
+
+@pytest.mark.slow
+def test_fsdp_x_tp_parity_with_torch_adamw():
+    """(dp 2 x tp 2): TP parameters' flat pieces and their (tp, dp)-mesh state DTensors."""
+    res = run_ranks(_dp_tp, 4)
+    assert all(r == res[0] for r in res)
