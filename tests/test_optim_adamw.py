@@ -321,6 +321,30 @@ def _fallbacks(rank, ws):
             assert same_bits(mine.to_local() if k != "step" else mine, v.to_local() if k != "step" else v), (n, k)
     out["assigned grad, add_param_group"] = True
 
+    # State entries replaced between steps (as a loader or the user may): adopted at the next step.
+    models = [_shard(build("net"), "optim", meshes) for _ in range(2)]
+    opts = [AdamW(models[0].parameters(), lr=1e-2, amsgrad=True),
+            torch.optim.AdamW(models[1].parameters(), lr=1e-2, amsgrad=True, foreach=False)]
+    for s in range(4):
+        if s == 2:
+            for o, m in zip(opts, models):
+                for k, p in enumerate(m.parameters()):
+                    st = o.state[p]
+                    if k % 3 == 0:
+                        st["step"] = torch.tensor(float(7 + k))
+                    if k % 3 == 1:
+                        st["exp_avg"] = st["exp_avg"] * 0.5
+                    if k % 3 == 2:
+                        st["max_exp_avg_sq"] = st["max_exp_avg_sq"] * 2.0
+        for m, o in zip(models, opts):
+            sharded_train_step(m, o, s, rank, ws, 8)
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert same_bits(p.to_local(), q.to_local())
+        for k, v in opts[1].state[q].items():
+            mine = opts[0].state[p][k]
+            assert same_bits(mine.to_local() if k != "step" else mine, v.to_local() if k != "step" else v), k
+    out["replaced state entries"] = True
+
     # Refusals
     m = _shard(build("net"), "optim_grads_params", meshes)
     with pytest.raises(ValueError, match="differentiable"):
@@ -337,7 +361,7 @@ def _fallbacks(rank, ws):
 @pytest.mark.slow
 def test_fallbacks_and_refusals():
     for r in run_ranks(_fallbacks, 2):
-        assert all(r.values()) and len(r) == 4, r
+        assert all(r.values()) and len(r) == 5, r
 
 
 # -- FSDP x TP -------------------------------------------------------------------------------------

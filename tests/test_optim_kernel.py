@@ -77,6 +77,7 @@ def test_native_step_matches_torch_adamw(sizes, data, dtype, step_dtype, hypers,
                          max_exp_avg_sq=torch.zeros(pos, dtype=dtype) if any(h["amsgrad"] for h in hypers) else None,
                          steps=torch.zeros(len(sizes), dtype=step_dtype),
                          pieces={i: (o, n) for i, (o, n) in enumerate(zip(offsets, sizes))})
+    fs.grad_span = lambda: fs.grad
     was = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

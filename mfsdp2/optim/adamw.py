@@ -86,6 +86,8 @@ class AdamW(torch.optim.AdamW):
         self._where: dict[int, Optional[tuple]] = {}
         # id(param) -> (param, group, index, flat state, data_ptr, numel): the last step's answer
         self._resolved: dict[int, tuple] = {}
+        # id(param) -> what its last flat step checked and used (see step's fast path)
+        self._fast: dict[int, tuple] = {}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -177,7 +179,7 @@ class AdamW(torch.optim.AdamW):
     @staticmethod
     def _grad_is_view(fs: FlatState, g, i: int, grad: torch.Tensor) -> bool:
         """Whether ``grad`` is the group's view of parameter ``i``'s rows of its main gradient."""
-        if not fs.refresh_grad():
+        if not fs.grad_usable():
             return False
         made = g._grad_dtensors
         if made is not None and made[1][i] is grad:
@@ -194,33 +196,51 @@ class AdamW(torch.optim.AdamW):
                 loss = closure()
         arithmetic = native_arithmetic()
         batches: dict[torch.dtype, NativeStep] = {}
+        state, fast = self.state, self._fast
         for index, group in enumerate(self.param_groups):
             amsgrad = group["amsgrad"]
             native_ok = arithmetic is not None and group["fused"] is not True and not group["capturable"]
-            pieces, other = [], []
+            pieces, other, rows = [], [], {}
             for p in group["params"]:
                 grad = p.grad
                 if grad is None:
                     continue
-                hit = self._resolve(p)
-                if hit is None:
-                    other.append(p)
-                    continue
-                g, i, fs = hit
-                st = self.state[p]
-                if not fs.owns(st, i, amsgrad):
-                    fs.ensure(st, i, amsgrad, self._name(g, i))
-                if not self._grad_is_view(fs, g, i, grad):
-                    other.append(p)
-                    continue
-                w = fs.weight
-                if native_ok and w.device.type == "cpu" and w.dtype in _NATIVE_DTYPES:
-                    batch = batches.get(w.dtype)
-                    if batch is None:
-                        batch = batches[w.dtype] = NativeStep(_module(), arithmetic, w.dtype)
-                    batch.add(fs, i, batch.hyper_row(index, group))
+                # Fast path: the same parameter rows, gradient view (the group's current one: its
+                # cache is rebuilt when the main gradient moves) and state entries as at the
+                # parameter's last step; identity checks only.
+                e = fast.get(id(p))
+                if e is not None and e[0] is p and e[2] is grad and p._local_tensor is e[1] and not e[4].retired \
+                        and e[5]._grad_dtensors is not None and e[5]._grad_dtensors[1][e[6]] is grad \
+                        and e[8] == amsgrad and state.get(p) is e[3] and all(e[3].get(k) is t for k, t in e[7]):
+                    fs, i, batch = e[4], e[6], e[9]
                 else:
+                    fast.pop(id(p), None)
+                    hit = self._resolve(p)
+                    if hit is None:
+                        other.append(p)
+                        continue
+                    g, i, fs = hit
+                    st = state[p]
+                    if not fs.owns(st, i, amsgrad):
+                        fs.ensure(st, i, amsgrad, self._name(g, i))
+                    if not self._grad_is_view(fs, g, i, grad):
+                        other.append(p)
+                        continue
+                    w = fs.weight
+                    batch = w.dtype if native_ok and w.device.type == "cpu" and w.dtype in _NATIVE_DTYPES else None
+                    views = fs.views[i]
+                    fast[id(p)] = (p, p._local_tensor, grad, st, fs, g, i,
+                                   tuple((k, views[k]) for k in fs._keys(amsgrad)), amsgrad, batch)
+                if batch is None or not native_ok:
                     pieces.append((fs, i, p))
+                    continue
+                b = batches.get(batch)
+                if b is None:
+                    b = batches[batch] = NativeStep(_module(), arithmetic, batch)
+                row = rows.get(batch)
+                if row is None:
+                    row = rows[batch] = b.hyper_row(index, group)
+                b.add(fs, i, row)
             if other:
                 self._torch_step(group, other)
             if pieces:
@@ -271,6 +291,7 @@ class AdamW(torch.optim.AdamW):
         states and replaced by their views. Collective where a loaded DTensor's rows must be
         gathered (a ``Shard(0)`` state of FSDP2's): call it on every rank."""
         super().load_state_dict(state_dict)
+        self._fast.clear()
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state.get(p)

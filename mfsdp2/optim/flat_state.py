@@ -46,7 +46,6 @@ class FlatState:
         self.indices: set[int] = set()
         self.views: dict[int, dict[str, torch.Tensor]] = {}
         self.max_exp_avg_sq: Optional[torch.Tensor] = None
-        self.grad: Optional[torch.Tensor] = None
         self._make(set(indices))
 
     # -- geometry ------------------------------------------------------------------------------
@@ -61,6 +60,7 @@ class FlatState:
         self.pieces = {i: (pc.shard_offset - self.base if pc.numel else 0, pc.numel) for i, pc in pieces.items()}
         self.indices = indices
         self._grad_key = None  # the span moved: re-slice the main gradient
+        self.grad = None
         w = g.main_weight
         self.weight = w[self.base:self.base + self.span]
         self.exp_avg = torch.zeros(self.span, dtype=w.dtype, device=w.device)
@@ -160,16 +160,20 @@ class FlatState:
         return True
 
     # -- the step's inputs -----------------------------------------------------------------------
-    def refresh_grad(self) -> bool:
-        """Point :attr:`grad` at the span of the group's current main gradient; False when the
-        group has none or it does not match the weights (dtype, device)."""
+    def grad_span(self) -> Optional[torch.Tensor]:
+        """The span of the group's current main gradient (sliced once per main gradient)."""
         mg = self.group.main_grad
         if mg is None:
-            return False
+            return None
         if mg is not self._grad_key:
             self._grad_key = mg
             self.grad = mg[self.base:self.base + self.span]
-        return mg.dtype == self.weight.dtype and mg.device == self.weight.device
+        return self.grad
+
+    def grad_usable(self) -> bool:
+        """The group has a main gradient matching the weights (dtype, device)."""
+        mg = self.grad_span()
+        return mg is not None and mg.dtype == self.weight.dtype and mg.device == self.weight.device
 
     def stale(self) -> bool:
         """The group's main weights were replaced (``allocate``, a dtype conversion)."""

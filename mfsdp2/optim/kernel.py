@@ -151,7 +151,7 @@ class NativeStep:
             empty = _EMPTY[self.dtype] = torch.empty(0, dtype=self.dtype)
         fss = self.states
         rows = [(k, *fss[k].pieces[i], row, i) for k, i, row in self.rows]
-        self.mod.adamw_step([fs.weight for fs in fss], [fs.grad for fs in fss], [fs.exp_avg for fs in fss],
+        self.mod.adamw_step([fs.weight for fs in fss], [fs.grad_span() for fs in fss], [fs.exp_avg for fs in fss],
                             [fs.exp_avg_sq for fs in fss],
                             [fs.max_exp_avg_sq if fs.max_exp_avg_sq is not None else empty for fs in fss],
                             [fs.steps for fs in fss], torch.tensor(rows, dtype=torch.int64),
