@@ -14,8 +14,10 @@
 * Training parity: real forward / backward / ``zero_grad`` cycles with an LR scheduler, frozen
   parameters and ranks holding no rows of some parameters, against ``torch.optim.AdamW`` on the
   same mfsdp2 model: same losses, weights and states, bit for bit.
+* FSDP x TP at (dp 2 x tp 2): the same bits as torch AdamW on the same model.
 * Fallbacks and refusals: FSDP2's parameters, a gradient the user assigned, growing param
-  groups; ``differentiable=True``, ``capturable=True`` on the CPU.
+  groups, state entries replaced between steps, GradScaler (skipped steps included);
+  ``differentiable=True``, ``capturable=True`` on the CPU.
 """
 
 from __future__ import annotations
@@ -345,6 +347,24 @@ def _fallbacks(rank, ws):
             assert same_bits(mine.to_local() if k != "step" else mine, v.to_local() if k != "step" else v), k
     out["replaced state entries"] = True
 
+    # GradScaler: it unscales the gradients itself (our step takes no grad_scale) and skips a step
+    models = [_shard(build("net"), "optim_grads_params", meshes) for _ in range(2)]
+    opts = [AdamW(models[0].parameters(), lr=1e-2),
+            torch.optim.AdamW(models[1].parameters(), lr=1e-2, foreach=False)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2)]
+    for s in range(3):
+        for m, o, sc in zip(models, opts, scalers):
+            x, y = batch(s, 8, 12)
+            loss = loss_fn(m(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4])
+            sc.scale(loss * (float("inf") if s == 1 else 1.0)).backward()  # step 1: skipped
+            sc.step(o)
+            sc.update()
+            o.zero_grad()
+    assert scalers[0].get_scale() == scalers[1].get_scale() < 2.0 ** 10
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert same_bits(p.to_local(), q.to_local())
+    out["GradScaler"] = True
+
     # Refusals
     m = _shard(build("net"), "optim_grads_params", meshes)
     with pytest.raises(ValueError, match="differentiable"):
@@ -361,7 +381,7 @@ def _fallbacks(rank, ws):
 @pytest.mark.slow
 def test_fallbacks_and_refusals():
     for r in run_ranks(_fallbacks, 2):
-        assert all(r.values()) and len(r) == 5, r
+        assert all(r.values()) and len(r) == 6, r
 
 
 # -- FSDP x TP -------------------------------------------------------------------------------------
