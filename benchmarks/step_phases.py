@@ -2,7 +2,7 @@
 timed apart, for mfsdp2's strategies, torch DDP and torch FSDP2 on one model.
 
     python benchmarks/step_phases.py [--model tiny|mlp|llama] [--frameworks ddp,no_shard,...]
-                                     [--steps N] [--foreach] [--json PATH]
+                                     [--steps N] [--foreach] [--optimizer torch|mfsdp2] [--json PATH]
 
 Why: the whole-step ratios of ``strategies.py`` say *that* mfsdp2's no_shard / ZeRO-1 are slower
 than DDP on the 64-unit ``tiny`` model, not *where*. Splitting the step separates what the runtime
@@ -68,7 +68,11 @@ def worker(rank: int, ws: int, args: dict) -> dict:
     for fw in args["frameworks"]:
         model = _build(fw, ref, mesh)
         kw = {"foreach": True} if args["foreach"] else {}
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **kw)
+        if args.get("optimizer", "torch") == "mfsdp2":  # plain parameters (DDP) take torch's own step
+            from mfsdp2.optim import AdamW
+        else:
+            AdamW = torch.optim.AdamW
+        opt = AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **kw)
         times = {p: [] for p in PHASES}
         losses = []
         for s in range(args["warmup"] + args["steps"]):
@@ -100,10 +104,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) for every framework")
+    ap.add_argument("--optimizer", default="torch", choices=("torch", "mfsdp2"),
+                    help="torch.optim.AdamW or mfsdp2.optim.AdamW (which steps DDP's plain tensors with torch's code)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     args = {"model": a.model, "frameworks": a.frameworks.split(","), "steps": a.steps, "warmup": a.warmup,
-            "foreach": a.foreach}
+            "foreach": a.foreach, "optimizer": a.optimizer}
     t0 = time.time()
     res = C.run_ranks(worker, 2, args)[0]
     base = res.get("ddp")
@@ -112,7 +118,8 @@ def main() -> None:
         m = r["median_s"]
         ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
         rows.append([fw] + [f"{m[p] * 1e3:.1f}" for p in PHASES] + [f"{r['step_s'] * 1e3:.1f}", ratio])
-    print(f"model {a.model}, world size 2, AdamW{'(foreach=True)' if a.foreach else ' (default: for-loop on CPU)'}; ms, rank 0 medians")
+    opt_name = "mfsdp2.optim.AdamW" if a.optimizer == "mfsdp2" else "AdamW"
+    print(f"model {a.model}, world size 2, {opt_name}{'(foreach=True)' if a.foreach else ' (default flags)'}; ms, rank 0 medians")
     C.print_table(["framework", *PHASES, "step", "step / DDP"], rows)
     if a.json:
         payload = {"results": res, "args": args, "machine": C.machine_info(), "date": C.now_iso(),

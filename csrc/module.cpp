@@ -2,6 +2,7 @@
 // pure-PyTorch reference of each and decides which one runs).
 #include <torch/extension.h>
 
+#include "adamw.h"
 #include "float8.h"
 
 #ifndef MFSDP2_TORCH_VERSION
@@ -12,7 +13,7 @@ namespace py = pybind11;
 
 // Bumped whenever a kernel's signature or meaning changes: mfsdp2/native.py loads a module only
 // if it reports the API it expects (a stale build from older sources is not used).
-constexpr int kApiVersion = 3;
+constexpr int kApiVersion = 4;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mfsdp2 native kernels over flat buffers and their segment tables (CPU)";
@@ -25,5 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lookup_bytes", &mfsdp2::lookup_bytes, py::arg("src"), py::arg("dst"), py::arg("offsets"),
         py::arg("lengths"), py::arg("tables"), py::arg("allow_vbmi") = true,
         py::call_guard<py::gil_scoped_release>());
+  m.def("adamw_step", &mfsdp2::adamw_step, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
+        py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("steps"), py::arg("segments"), py::arg("hyper"),
+        py::arg("fma_lerp"), py::arg("fma_addcmul"), py::arg("mkl_sqrt"), py::call_guard<py::gil_scoped_release>());
+  m.def("has_vml_sqrt", &mfsdp2::has_vml_sqrt, "Whether torch exports MKL's VML sqrt (torch's CPU sqrt).");
   m.def("has_vbmi", &mfsdp2::has_vbmi, "Whether lookup_bytes' AVX-512 VBMI path runs on this CPU.");
 }

@@ -17,6 +17,7 @@ from . import module as _module
 _module.fully_shard = fully_shard  # ``mfsdp2.module.fully_shard`` (where it used to live) keeps working
 from .placement import RowShard
 from .trace_pool import TracePoolAllocator
+from . import optim  # mfsdp2.optim.AdamW
 
 __all__ = [
     "fully_shard",

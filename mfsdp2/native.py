@@ -20,6 +20,9 @@ for, so a build for one torch is never loaded by another; a module that fails to
 Results are **bit-identical** to the references (tests/test_native.py): float8 rounding is
 torch's (round to nearest, ties to even, of the clamped value), and dequantising is a lookup in
 256-entry per-segment tables that torch computes with the reference's own operations.
+
+The same module holds the flat AdamW step (``csrc/adamw.cpp``); :mod:`mfsdp2.optim.kernel` binds
+it, and torch's own AdamW arithmetic is its reference.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ __all__ = ["Segments", "available", "has_vbmi", "reference_only", "quantise_fp8"
 logger = logging.getLogger(__name__)
 
 ENV = "MFSDP2_NATIVE"  # "0": never load the extension
-API_VERSION = 3  # csrc/module.cpp's kApiVersion: a build from other sources is not used
+API_VERSION = 4  # csrc/module.cpp's kApiVersion: a build from other sources is not used
 
 
 def module_name(version: str = torch.__version__) -> str:

@@ -1,0 +1,349 @@
+// torch AdamW's step over segments of flat tensors: one pass that reads the parameter, its
+// gradient and its two moments and writes them back (28 bytes per float32 element, 36 with
+// amsgrad), where torch's for-loop / foreach AdamW makes about ten passes per parameter.
+//
+// Every element gets the arithmetic of torch's CPU kernels in torch's order, one rounding per
+// torch op (the build has -ffp-contract=off, so the compiler fuses nothing on its own):
+//   p  = p * (1 - lr wd)                          param.mul_(1 - lr * weight_decay)
+//   m  = lerp(m, g, 1 - beta1)                    exp_avg.lerp_(grad, 1 - beta1)
+//   v  = v * beta2;  v = v + ((1 - beta2) g) g    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+//   vmax = maximum(vmax, v)                       (amsgrad) torch.maximum(max_exp_avg_sq, exp_avg_sq, out=...)
+//   den = sqrt(v or vmax) / sqrt(bc2) + eps       (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+//   p  = p + ((-lr / bc1) m) / den                param.addcdiv_(exp_avg, denom, value=-step_size)
+// torch's lerp is w (g - m) + m for |w| < 0.5, else (w - 1)(g - m) + g; its AVX2 / AVX-512
+// kernels round that once (an explicit fused multiply-add), and their compiler contracted
+// addcmul's ((1 - beta2) g) g + v into one too; a build without FMA rounds each twice. torch's
+// sqrt is MKL's (below) where torch has MKL. The caller says which (``fma_lerp``, ``fma_addcmul``,
+// ``mkl_sqrt``), having run torch's ops to find out. With an IEEE root the step is one loop; with
+// MKL's, a work item runs in blocks of kBlock elements: moments (storing what the root is taken
+// of), MKL's roots of the block, the update (about 20 % slower than one loop).
+#include "adamw.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+
+#include "segments.h"
+#include "simd.h"
+
+namespace mfsdp2 {
+namespace {
+
+// One segment's coefficients, in the tensors' dtype (torch casts each Python scalar so).
+template <typename T>
+struct Coef {
+  T decay;          // 1 - lr * weight_decay (1 without weight decay: p * 1 is p)
+  T lerp_w;         // w = 1 - beta1 when |w| < 0.5, else w - 1
+  bool small;       // which lerp form: w (g - m) + m, or (w - 1)(g - m) + g
+  T beta2;
+  T one_minus_beta2;
+  T bc2_sqrt;       // (1 - beta2 ** step) ** 0.5
+  T eps;
+  T neg_step_size;  // -lr / (1 - beta1 ** step)
+  bool amsgrad;
+  bool maximize;
+};
+
+// The moments: m, v (and vmax) are stored, ``second`` gets v (or vmax), what the square root is
+// taken of.
+template <typename T, bool kFmaLerp, bool kFmaAddcmul, bool kAmsgrad>
+MFSDP2_CLONES void moments(const T* __restrict g, T* __restrict m, T* __restrict v, T* __restrict vmax,
+                           T* __restrict second, int64_t n, const Coef<T> c) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T gi = c.maximize ? -g[i] : g[i];
+    const T mi = m[i];
+    const T d = gi - mi;
+    const T base = c.small ? mi : gi;
+    const T mn = kFmaLerp ? std::fma(c.lerp_w, d, base) : c.lerp_w * d + base;
+    const T v1 = v[i] * c.beta2;
+    const T gs = c.one_minus_beta2 * gi;
+    const T vn = kFmaAddcmul ? std::fma(gs, gi, v1) : v1 + gs * gi;
+    T s = vn;
+    if constexpr (kAmsgrad) {
+      const T a = vmax[i];
+      T mx = a > vn ? a : vn;  // torch.maximum: NaN when either is NaN
+      mx = a != a ? a : mx;
+      mx = vn != vn ? vn : mx;
+      vmax[i] = mx;
+      s = mx;
+    }
+    m[i] = mn;
+    v[i] = vn;
+    second[i] = s;
+  }
+}
+
+// p = p * decay + ((-lr / bc1) m) / (root / sqrt(bc2) + eps), root = sqrt(v or vmax).
+template <typename T>
+MFSDP2_CLONES void update(T* __restrict p, const T* __restrict m, const T* __restrict root, int64_t n, const Coef<T> c) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T den = root[i] / c.bc2_sqrt + c.eps;
+    p[i] = p[i] * c.decay + (c.neg_step_size * m[i]) / den;
+  }
+}
+
+// All of it in one loop, with an IEEE square root (torch builds without MKL).
+template <typename T, bool kFmaLerp, bool kFmaAddcmul, bool kAmsgrad>
+MFSDP2_CLONES void whole(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict v, T* __restrict vmax,
+                         int64_t n, const Coef<T> c) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T gi = c.maximize ? -g[i] : g[i];
+    const T mi = m[i];
+    const T d = gi - mi;
+    const T base = c.small ? mi : gi;
+    const T mn = kFmaLerp ? std::fma(c.lerp_w, d, base) : c.lerp_w * d + base;
+    const T v1 = v[i] * c.beta2;
+    const T gs = c.one_minus_beta2 * gi;
+    const T vn = kFmaAddcmul ? std::fma(gs, gi, v1) : v1 + gs * gi;
+    T s = vn;
+    if constexpr (kAmsgrad) {
+      const T a = vmax[i];
+      T mx = a > vn ? a : vn;
+      mx = a != a ? a : mx;
+      mx = vn != vn ? vn : mx;
+      vmax[i] = mx;
+      s = mx;
+    }
+    const T den = std::sqrt(s) / c.bc2_sqrt + c.eps;
+    p[i] = p[i] * c.decay + (c.neg_step_size * mn) / den;
+    m[i] = mn;
+    v[i] = vn;
+  }
+}
+
+}  // namespace
+}  // namespace mfsdp2
+
+// torch's CPU sqrt of float / double tensors is MKL's VML (vmsSqrt / vmdSqrt, high accuracy,
+// denormals kept: ATen/cpu/vml.h), which rounds about 0.7 % of float32 results the other way
+// than an IEEE square root. Where the torch this module runs with has MKL inside, its VML
+// functions are exported by libtorch_cpu; weak references find them there (null elsewhere).
+extern "C" {
+void vmsSqrt(int n, const float* a, float* r, long long mode) __attribute__((weak));
+void vmdSqrt(int n, const double* a, double* r, long long mode) __attribute__((weak));
+}
+
+namespace mfsdp2 {
+namespace {
+
+constexpr long long kVmlMode = 0x2 | 0x140000 | 0x100;  // VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, as torch
+constexpr int64_t kBlock = 2048;  // elements per pass of moments / sqrt / update: they stay in L1 / L2
+
+inline void vml_sqrt(float* x, int64_t n) { vmsSqrt(static_cast<int>(n), x, x, kVmlMode); }
+inline void vml_sqrt(double* x, int64_t n) { vmdSqrt(static_cast<int>(n), x, x, kVmlMode); }
+
+template <typename T, bool kFmaLerp, bool kFmaAddcmul, bool kAmsgrad>
+void step_range(T* p, const T* g, T* m, T* v, T* vmax, int64_t n, const Coef<T>& c, bool mkl_sqrt) {
+  if (!mkl_sqrt) {
+    whole<T, kFmaLerp, kFmaAddcmul, kAmsgrad>(p, g, m, v, vmax, n, c);
+    return;
+  }
+  alignas(64) T root[kBlock];
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t k = std::min(kBlock, n - b);
+    moments<T, kFmaLerp, kFmaAddcmul, kAmsgrad>(g + b, m + b, v + b, kAmsgrad ? vmax + b : nullptr, root, k, c);
+    vml_sqrt(root, k);
+    update(p + b, m + b, root, k, c);
+  }
+}
+
+template <typename T, bool kFmaLerp, bool kFmaAddcmul>
+void step_one(T* p, const T* g, T* m, T* v, T* vmax, int64_t n, const Coef<T>& c, bool mkl_sqrt) {
+  if (c.amsgrad)
+    step_range<T, kFmaLerp, kFmaAddcmul, true>(p, g, m, v, vmax, n, c, mkl_sqrt);
+  else
+    step_range<T, kFmaLerp, kFmaAddcmul, false>(p, g, m, v, vmax, n, c, mkl_sqrt);
+}
+
+template <typename T>
+void step_any(bool fma_lerp, bool fma_addcmul, bool mkl_sqrt, T* p, const T* g, T* m, T* v, T* vmax, int64_t n,
+              const Coef<T>& c) {
+  if (fma_lerp && fma_addcmul) step_one<T, true, true>(p, g, m, v, vmax, n, c, mkl_sqrt);
+  else if (fma_lerp) step_one<T, true, false>(p, g, m, v, vmax, n, c, mkl_sqrt);
+  else if (fma_addcmul) step_one<T, false, true>(p, g, m, v, vmax, n, c, mkl_sqrt);
+  else step_one<T, false, false>(p, g, m, v, vmax, n, c, mkl_sqrt);
+}
+
+struct Hyper {
+  double lr, beta1, beta2, eps, weight_decay;
+  bool amsgrad, maximize;
+};
+
+// torch's Python arithmetic in double (Python floats are C doubles, ``**`` is libm's pow), then
+// the casts torch makes when it hands each scalar to a kernel.
+template <typename T>
+Coef<T> coefficients(const Hyper& h, double step) {
+  const double bc1 = 1.0 - std::pow(h.beta1, step);
+  const double bc2 = 1.0 - std::pow(h.beta2, step);
+  const double step_size = h.lr / bc1;
+  const double bc2_sqrt = std::pow(bc2, 0.5);
+  Coef<T> c;
+  const T w = static_cast<T>(1.0 - h.beta1);
+  c.small = std::abs(w) < T(0.5);
+  c.lerp_w = c.small ? w : w - T(1);
+  c.decay = h.weight_decay != 0.0 ? static_cast<T>(1.0 - h.lr * h.weight_decay) : T(1);
+  c.beta2 = static_cast<T>(h.beta2);
+  c.one_minus_beta2 = static_cast<T>(1.0 - h.beta2);
+  c.bc2_sqrt = static_cast<T>(bc2_sqrt);
+  c.eps = static_cast<T>(h.eps);
+  c.neg_step_size = static_cast<T>(-step_size);
+  c.amsgrad = h.amsgrad;
+  c.maximize = h.maximize;
+  return c;
+}
+
+// steps[slot] += 1 in the counter's dtype (torch's ``step_t += 1``); the new count.
+double count_step(const at::Tensor& steps, int64_t slot) {
+  if (steps.scalar_type() == at::kFloat) {
+    float* s = steps.data_ptr<float>() + slot;
+    *s = *s + 1.0f;
+    return *s;
+  }
+  double* s = steps.data_ptr<double>() + slot;
+  *s = *s + 1.0;
+  return *s;
+}
+
+struct Range {
+  int64_t flat, begin, end, coef;
+};
+
+void check_flat(const at::Tensor& x, at::ScalarType dtype, int64_t numel, const char* name, size_t f) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(), "adamw_step: ", name, "[", f,
+              "] must be a contiguous 1-D CPU tensor, got ", x.sizes(), " on ", x.device());
+  TORCH_CHECK(x.scalar_type() == dtype && x.numel() == numel, "adamw_step: ", name, "[", f, "] must be ", dtype,
+              " with ", numel, " elements (as params[", f, "]), got ", x.scalar_type(), " with ", x.numel());
+}
+
+template <typename T>
+void run(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+         const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+         const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& steps,
+         const int64_t* seg, int64_t n, const std::vector<Hyper>& hyper, bool fma_lerp, bool fma_addcmul,
+         bool mkl_sqrt) {
+  // Count the steps and make each segment's coefficients (serial: a few per parameter).
+  std::vector<Coef<T>> coefs(n);
+  std::vector<std::tuple<int64_t, int64_t, double>> keys(n);  // (hyper row, flat, step): equal keys, equal coefficients
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t* r = seg + 5 * s;
+    const double step = count_step(steps[r[0]], r[4]);
+    coefs[s] = coefficients<T>(hyper[r[3]], step);
+    keys[s] = {r[3], r[0], step};
+  }
+  // Adjacent pieces with the same coefficients form one range, cut into work items counted from
+  // the range's start (independent of the thread count, so any thread count writes the same bytes).
+  std::vector<Range> items;
+  int64_t total = 0;
+  int64_t open = -1;  // the segment whose coefficients the last range uses
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t* r = seg + 5 * s;
+    if (r[2] == 0) continue;
+    if (open >= 0 && keys[open] == keys[s] && seg[5 * open] == r[0] && !items.empty() &&
+        items.back().end == r[1] && items.back().end - items.back().begin < kItem) {
+      // extend the last item up to kItem elements, then open new items of the same range
+      const int64_t room = kItem - (items.back().end - items.back().begin);
+      const int64_t take = std::min(room, r[2]);
+      items.back().end += take;
+      for (int64_t b = r[1] + take; b < r[1] + r[2]; b += kItem)
+        items.push_back({r[0], b, std::min(b + kItem, r[1] + r[2]), open});
+    } else {
+      open = s;
+      for (int64_t b = r[1]; b < r[1] + r[2]; b += kItem)
+        items.push_back({r[0], b, std::min(b + kItem, r[1] + r[2]), s});
+    }
+    total += r[2];
+  }
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t grain = total >= 4 * kItem ? 1 : (count > 0 ? count : 1);
+  at::parallel_for(0, count, grain, [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k) {
+      const Range& it = items[k];
+      const Coef<T>& c = coefs[it.coef];
+      T* vmax = c.amsgrad ? max_exp_avg_sqs[it.flat].data_ptr<T>() + it.begin : nullptr;
+      step_any<T>(fma_lerp, fma_addcmul, mkl_sqrt, params[it.flat].data_ptr<T>() + it.begin,
+                  grads[it.flat].data_ptr<T>() + it.begin, exp_avgs[it.flat].data_ptr<T>() + it.begin,
+                  exp_avg_sqs[it.flat].data_ptr<T>() + it.begin, vmax, it.end - it.begin, c);
+    }
+  });
+}
+
+}  // namespace
+
+bool has_vml_sqrt() { return vmsSqrt != nullptr && vmdSqrt != nullptr; }
+
+void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& steps,
+                const at::Tensor& segments, const at::Tensor& hyper, bool fma_lerp, bool fma_addcmul,
+                bool mkl_sqrt) {
+  TORCH_CHECK(!mkl_sqrt || has_vml_sqrt(), "adamw_step: mkl_sqrt asked for, but this torch exports no MKL VML sqrt");
+  const size_t nf = params.size();
+  TORCH_CHECK(grads.size() == nf && exp_avgs.size() == nf && exp_avg_sqs.size() == nf &&
+                  max_exp_avg_sqs.size() == nf && steps.size() == nf,
+              "adamw_step: params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs and steps must have one entry "
+              "per flat tensor (", nf, ")");
+  TORCH_CHECK(hyper.device().is_cpu() && hyper.scalar_type() == at::kDouble && hyper.dim() == 2 &&
+                  hyper.size(1) == 7 && hyper.is_contiguous(),
+              "adamw_step: hyper must be a contiguous float64 [rows, 7] CPU tensor, got ", hyper.sizes(), " ",
+              hyper.scalar_type());
+  TORCH_CHECK(segments.device().is_cpu() && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
+                  segments.size(1) == 5 && segments.is_contiguous(),
+              "adamw_step: segments must be a contiguous int64 [n, 5] CPU tensor, got ", segments.sizes(), " ",
+              segments.scalar_type());
+  const at::ScalarType dtype = nf ? params[0].scalar_type() : at::kFloat;
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "adamw_step: float32 or float64 tensors expected, got ", dtype);
+  std::vector<Hyper> hy(hyper.size(0));
+  const double* hp = hyper.data_ptr<double>();
+  for (size_t r = 0; r < hy.size(); ++r) {
+    const double* h = hp + 7 * r;
+    hy[r] = {h[0], h[1], h[2], h[3], h[4], h[5] != 0.0, h[6] != 0.0};
+  }
+  std::vector<bool> needs_max(nf, false);
+  const int64_t n = segments.size(0);
+  const int64_t* seg = segments.data_ptr<int64_t>();
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> spans;  // (flat, begin, end) of non-empty segments
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t* r = seg + 5 * s;
+    TORCH_CHECK(r[0] >= 0 && r[0] < static_cast<int64_t>(nf), "adamw_step: segment ", s, " names flat ", r[0],
+                " of ", nf);
+    TORCH_CHECK(r[3] >= 0 && r[3] < static_cast<int64_t>(hy.size()), "adamw_step: segment ", s, " names hyper row ",
+                r[3], " of ", hy.size());
+    const at::Tensor& st = steps[r[0]];
+    TORCH_CHECK(st.device().is_cpu() && (st.scalar_type() == at::kFloat || st.scalar_type() == at::kDouble) &&
+                    st.dim() == 1 && st.is_contiguous(),
+                "adamw_step: steps[", r[0], "] must be a contiguous 1-D float32 or float64 CPU tensor");
+    TORCH_CHECK(r[4] >= 0 && r[4] < st.numel(), "adamw_step: segment ", s, " names step slot ", r[4], " of ",
+                st.numel());
+    const int64_t numel = params[r[0]].numel();
+    TORCH_CHECK(r[2] >= 0 && (r[2] == 0 || (r[1] >= 0 && r[1] <= numel && r[2] <= numel - r[1])),
+                "adamw_step: segment ", s, " (offset ", r[1], ", length ", r[2], ") lies outside flat ", r[0], " of ",
+                numel, " elements");
+    if (r[2] > 0) {
+      spans.emplace_back(r[0], r[1], r[1] + r[2]);
+      if (hy[r[3]].amsgrad) needs_max[r[0]] = true;
+    }
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t k = 1; k < spans.size(); ++k) {
+    TORCH_CHECK(std::get<0>(spans[k]) != std::get<0>(spans[k - 1]) || std::get<1>(spans[k]) >= std::get<2>(spans[k - 1]),
+                "adamw_step: segments overlap in flat ", std::get<0>(spans[k]), " (at element ", std::get<1>(spans[k]),
+                "); each element may be stepped once");
+  }
+  for (size_t f = 0; f < nf; ++f) {
+    const int64_t numel = params[f].numel();
+    check_flat(params[f], dtype, numel, "params", f);
+    check_flat(grads[f], dtype, numel, "grads", f);
+    check_flat(exp_avgs[f], dtype, numel, "exp_avgs", f);
+    check_flat(exp_avg_sqs[f], dtype, numel, "exp_avg_sqs", f);
+    if (needs_max[f]) check_flat(max_exp_avg_sqs[f], dtype, numel, "max_exp_avg_sqs", f);
+  }
+  if (dtype == at::kFloat)
+    run<float>(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, seg, n, hy, fma_lerp, fma_addcmul, mkl_sqrt);
+  else
+    run<double>(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, seg, n, hy, fma_lerp, fma_addcmul, mkl_sqrt);
+}
+
+}  // namespace mfsdp2

@@ -1,0 +1,7 @@
+"""Optimizers that step mfsdp2's flat shards: :class:`AdamW` (torch's AdamW, same signature,
+state format and results; one native call per step on the host, one fused launch per group on
+an accelerator). See ``docs/design.md`` (*Flat AdamW*)."""
+
+from .adamw import AdamW
+
+__all__ = ["AdamW"]

@@ -1,0 +1,174 @@
+"""The arithmetic of a flat AdamW step: the native kernel (``csrc/adamw.cpp``), and torch's own
+functional AdamW over plain local tensors for everything else.
+
+Why two: on the host one native call steps every segment of every flat shard (one pass over the
+bytes, threads over work items), where torch's for-loop / foreach AdamW makes about ten passes
+per parameter. The native kernel is used only where it computes torch's bits: at first use it
+steps a probe problem (both ``lerp`` forms, amsgrad, maximize, float32 and float64, lengths with
+vector tails) with each variant of its arithmetic -- one or two roundings for torch's ``lerp``
+and ``addcmul`` (torch's AVX2 / AVX-512 kernels fuse them), MKL's or an IEEE square root
+(torch's CPU ``sqrt`` is MKL's VML where torch has MKL) -- and keeps the variant that matches
+``torch.optim.AdamW(foreach=False)`` bit for bit; none matching, it is not used (logged once).
+
+Everything else -- no extension, ``MFSDP2_NATIVE=0``, ``native.reference_only()``, other
+dtypes, ``fused=True``, accelerators -- is :func:`torch_step`: torch's functional AdamW on the
+plain local tensors of the parameters' pieces and their state views (no DTensor dispatch). On
+the CPU that is ``foreach`` (the same bits as the for-loop, and as the native kernel), with
+``fused=True`` torch's fused CPU kernel, and on an accelerator ``torch._fused_adamw_``: one
+multi-tensor launch per group and device, torch's own fused arithmetic.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch.optim.adam import adam as _adam
+
+from .. import native
+
+__all__ = ["NativeStep", "native_arithmetic", "torch_step"]
+
+logger = logging.getLogger(__name__)
+
+_ARITH: Optional[tuple] = None  # (fma_lerp, fma_addcmul, mkl_sqrt) matching torch, () if none does
+_EMPTY: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _module():
+    """The native module when it is loaded and enabled (not inside ``native.reference_only()``)."""
+    return native._native_for()
+
+
+def native_arithmetic() -> Optional[tuple]:
+    """The native kernel's variant that computes torch's AdamW bits on this machine and torch
+    build, or None (no extension, or no variant matches: then torch's arithmetic is used)."""
+    global _ARITH
+    mod = _module()
+    if mod is None or not hasattr(mod, "adamw_step"):
+        return None
+    if _ARITH is None:
+        _ARITH = _probe(mod)
+        if _ARITH:
+            logger.debug("mfsdp2.optim: native AdamW with fma_lerp=%s fma_addcmul=%s mkl_sqrt=%s", *_ARITH)
+        else:
+            logger.warning("mfsdp2.optim: no variant of the native AdamW kernel reproduces torch's AdamW bits "
+                           "on this machine; using torch's arithmetic on the flat shards instead")
+    return _ARITH or None
+
+
+_PROBE_CONFIGS = (
+    dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False),
+    dict(lr=3e-1, betas=(0.3, 0.6), eps=1e-6, weight_decay=0.0, amsgrad=True, maximize=True),
+)
+
+
+def _probe(mod) -> tuple:
+    """Try each variant on a few steps of random problems against torch's for-loop AdamW."""
+    variants = [(fl, fa, ms) for ms in ((True, False) if mod.has_vml_sqrt() else (False,))
+                for fl in (True, False) for fa in (True, False)]
+    sizes = (4096 + 13, 37, 1, 16)
+    for dtype in (torch.float32, torch.float64):
+        for cfg in _PROBE_CONFIGS:
+            gen = torch.Generator().manual_seed(1234)
+            start = [torch.randn(n, generator=gen, dtype=dtype) for n in sizes]
+            grads = [[torch.randn(n, generator=gen, dtype=dtype) * 10.0 ** (s - 3) for n in sizes] for s in range(3)]
+            ref = [torch.nn.Parameter(t.clone()) for t in start]
+            opt = torch.optim.AdamW(ref, foreach=False, **cfg)
+            for gs in grads:
+                for p, g in zip(ref, gs):
+                    p.grad = g
+                opt.step()
+            want = torch.cat([p.detach() for p in ref] + [opt.state[p][k] for k in ("exp_avg", "exp_avg_sq") for p in ref])
+            rows, pos = [], 0
+            for i, n in enumerate(sizes):
+                rows.append([0, pos, n, 0, i])
+                pos += n
+            hyper = torch.tensor([[cfg["lr"], *cfg["betas"], cfg["eps"], cfg["weight_decay"],
+                                   float(cfg["amsgrad"]), float(cfg["maximize"])]], dtype=torch.float64)
+            kept = []
+            for var in variants:
+                flat = torch.cat(start)
+                m, v, vmax = (torch.zeros(pos, dtype=dtype) for _ in range(3))
+                steps = torch.zeros(len(sizes))
+                for gs in grads:
+                    mod.adamw_step([flat], [torch.cat(gs)], [m], [v], [vmax], [steps], torch.tensor(rows), hyper, *var)
+                got = torch.cat([flat, m, v])
+                if _same_bits(got, want):
+                    kept.append(var)
+            variants = kept
+    return variants[0] if variants else ()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns, every NaN counting as one value (torch's own NaN bits differ by path)."""
+    nan = a.isnan()
+    return bool(torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan]))
+
+
+class NativeStep:
+    """One native call for every flat segment of one dtype stepped in an optimizer step.
+
+    ``add`` collects (flat state, parameter index, hyper-parameter row); ``run`` makes the
+    call. Rows of the segment table are pieces in the flat states' coordinates; the kernel
+    counts each piece's step and merges adjacent pieces with equal coefficients."""
+
+    def __init__(self, mod, arithmetic: tuple, dtype: torch.dtype):
+        self.mod = mod
+        self.arithmetic = arithmetic
+        self.dtype = dtype
+        self.flats: dict[int, int] = {}
+        self.states: list = []
+        self.rows: list[tuple] = []
+        self.hyper: list[list[float]] = []
+        self._hyper_of: dict[int, int] = {}
+
+    def hyper_row(self, index: int, group: dict) -> int:
+        """The row of optimizer param group ``index`` (added once per step)."""
+        row = self._hyper_of.get(index)
+        if row is None:
+            b1, b2 = group["betas"]
+            row = self._hyper_of[index] = len(self.hyper)
+            self.hyper.append([float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                               float(group["weight_decay"]), float(bool(group["amsgrad"])), float(bool(group["maximize"]))])
+        return row
+
+    def add(self, fs, i: int, row: int) -> None:
+        k = self.flats.get(id(fs))
+        if k is None:
+            k = self.flats[id(fs)] = len(self.states)
+            self.states.append(fs)
+        self.rows.append((k, i, row))
+
+    def run(self) -> None:
+        """The call. Flat tensors and offsets are read now: a later parameter may have turned
+        amsgrad's state on, or grown the span, of a flat state added before."""
+        if not self.rows:
+            return
+        empty = _EMPTY.get(self.dtype)
+        if empty is None:
+            empty = _EMPTY[self.dtype] = torch.empty(0, dtype=self.dtype)
+        fss = self.states
+        rows = [(k, *fss[k].pieces[i], row, i) for k, i, row in self.rows]
+        self.mod.adamw_step([fs.weight for fs in fss], [fs.grad_span() for fs in fss], [fs.exp_avg for fs in fss],
+                            [fs.exp_avg_sq for fs in fss],
+                            [fs.max_exp_avg_sq if fs.max_exp_avg_sq is not None else empty for fs in fss],
+                            [fs.steps for fs in fss], torch.tensor(rows, dtype=torch.int64),
+                            torch.tensor(self.hyper, dtype=torch.float64), *self.arithmetic)
+
+
+def torch_step(group: dict, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, fused: bool) -> None:
+    """torch's functional AdamW on plain tensors: ``fused`` (torch's fused kernel: accelerators,
+    and ``fused=True`` on the CPU) or ``foreach`` (the CPU's, same bits as the for-loop)."""
+    b1, b2 = group["betas"]
+    lr = group["lr"]
+    if not fused:  # the for-loop reads tensor hyper-parameters as Python numbers; foreach refuses tensors
+        lr, b1, b2 = (float(x) for x in (lr, b1, b2))
+    _adam(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+        foreach=not fused, fused=fused, capturable=group["capturable"] if not fused else False,
+        differentiable=False, grad_scale=None, found_inf=None, has_complex=False, decoupled_weight_decay=True,
+        amsgrad=group["amsgrad"], beta1=b1, beta2=b2, lr=lr, weight_decay=group["weight_decay"],
+        eps=group["eps"], maximize=group["maximize"],
+    )
