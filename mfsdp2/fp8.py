@@ -22,7 +22,9 @@ biases are small and sensitive, so ``fully_shard`` puts them in ordinary groups.
 
 The quantise and the dequantise are one call each over the whole buffer and its segment table
 (this rank's pieces in the shard; the parameters' slots in the gathered buffer):
-:mod:`mfsdp2.native`'s kernels on CPU, their bit-identical PyTorch references elsewhere.
+:mod:`mfsdp2.native`'s kernels on CPU (their bit-identical PyTorch references without the
+extension). On an accelerator the gathered block is dequantised by a few kernels per tile of it
+(:mod:`mfsdp2.fp8_tiles`), not per rank and parameter, with the reference's arithmetic.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, Optional
 import torch
 
 from . import native
+from .fp8_tiles import GatheredDequantise
 from .buffer import _leaked_blocks
 from .comm import CommHandle
 
@@ -76,6 +79,8 @@ class Float8Gather:
             for r in range(lay.world_size)
         ]
         self._block: Optional[tuple[torch.Tensor, Any, Any]] = None  # the gathered bytes: (block, allocator, key)
+        self._gathered: Optional[GatheredDequantise] = None  # the accelerator's tiles, built at first use
+        self.tiled_on_cpu = False  # tests: run the accelerator's dequantise on the host
 
     def local_amax(self) -> torch.Tensor:
         """Max |w| over this rank's rows of each parameter (0 for an empty piece), computed from
@@ -146,10 +151,10 @@ class Float8Gather:
             w.materialize(allocator, key)
             rows = block.view(N, R)
             with torch.no_grad():
-                tables = native.dequantise_tables(self.scales, self.dtype, w.dtype) if N > 1 and native.available() and w.device.type == "cpu" else None
-                for r in range(N):  # rank r's bytes, with rank r's pieces, the same lookup per byte
-                    native.dequantise_fp8(rows[r, :S], w._writer[r * S : (r + 1) * S], self._rank_pieces[r], self.scales,
-                                          self.dtype, tables)
+                if w.device.type != "cpu" or self.tiled_on_cpu:
+                    self._tiles()(rows, w._writer, self.scales, self.dtype)
+                else:
+                    self._dequantise_per_rank(rows, w)
                 if rider is not None:
                     rw = rider.weights
                     rw.materialize(allocator, rider_key)
@@ -157,6 +162,21 @@ class Float8Gather:
             self._free()
 
         return CommHandle(then=dequantise, inner=h, label=label)  # inner: settle() sees the gather's work
+
+    def _dequantise_per_rank(self, rows: torch.Tensor, w) -> None:
+        """The host path: the native lookup (or its reference) per rank's bytes and pieces."""
+        N, S = self.group.layout.world_size, self.group.layout.shard_numel
+        tables = native.dequantise_tables(self.scales, self.dtype, w.dtype) if N > 1 and native.available() else None
+        for r in range(N):  # rank r's bytes, with rank r's pieces, the same lookup per byte
+            native.dequantise_fp8(rows[r, :S], w._writer[r * S : (r + 1) * S], self._rank_pieces[r], self.scales,
+                                  self.dtype, tables)
+
+    def _tiles(self) -> GatheredDequantise:
+        """The accelerator path (a few kernels per tile of the block, not per rank and piece)."""
+        if self._gathered is None:
+            lay = self.group.layout
+            self._gathered = GatheredDequantise(self._rank_pieces, lay.shard_numel, len(lay.slots))
+        return self._gathered
 
     def _free(self) -> None:
         block, alloc, key = self._block
