@@ -104,11 +104,60 @@ def test_strategies_offload_and_bad_input():
     assert off.host["main_weights"] == z3.sizes["main_weights"] and off.host["optimizer_states"] > 0
     sgd = estimate_memory(model, units=TransformerBlock, mesh_shape=4, optimizer="sgd")
     assert sgd.sizes["optimizer_states"] == 0
+    # reshard_after_forward=2 at 4 ranks keeps half the shards after forward, and the in-group
+    # gather needs a full-size staging copy beside the weights: more than resharding fully
+    part = estimate_memory(model, units=TransformerBlock, mesh_shape=4, reshard_after_forward=2, batch_size=2, seq_len=16)
+    full = estimate_memory(model, units=TransformerBlock, mesh_shape=4, batch_size=2, seq_len=16)
+    assert part.peak_bytes > full.peak_bytes
     for kw, msg in [(dict(mesh_shape=(2, 2), sharding_strategy="no_shard"), "1-D"), (dict(optimizer="lion"), "optimizer"),
                     (dict(mesh_shape=4, reshard_after_forward=3), "divisor"), (dict(rank=9, mesh_shape=4), "rank"),
                     (dict(allocator="x", mesh_shape=2), "allocator")]:
         with pytest.raises(ValueError, match=msg):
             estimate_memory(model, units=TransformerBlock, **kw)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Stack(nn.Module):
+    """Blocks called through ``torch.utils.checkpoint`` when ``checkpointed``: the recompute in
+    backward calls each block (a unit) again, so its hooks run inside backward."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.blocks, self.checkpointed = nn.ModuleList(_Block() for _ in range(4)), checkpointed
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if self.checkpointed else b(x)
+        return x
+
+
+def test_activation_checkpointing_recomputes_are_not_boundaries():
+    """A checkpointed block saves its input only; its recompute inside backward runs the block's
+    hooks again, which must not count as another forward (mfsdp2 neither gathers nor records it)."""
+    from mfsdp2.estimate.trace import trace_step
+
+    est, kinds = {}, {}
+    for ac in (False, True):
+        with torch.device("meta"):
+            model = _Stack(ac)
+        est[ac] = estimate_memory(model, units=_Block, mesh_shape=2, batch_size=64)
+        owned = [[id(p) for p in b.parameters()] for b in model.blocks] + [[]]
+        tr = trace_step(model, [f"blocks.{i}" for i in range(4)] + [""], owned, mfsdp2.MixedPrecisionPolicy(),
+                        lambda: (torch.randn(64, 64),))
+        kinds[ac] = [(m.kind, m.unit) for m in tr.marks]
+    # the first block's input needs no grad: the final callback reduces it (as mfsdp2's does)
+    assert kinds[True] == kinds[False]
+    assert [k for k, _ in kinds[True]].count("fwd_begin") == 5 and [k for k, _ in kinds[True]].count("bwd_end") == 3
+    assert est[True].sizes["activations_peak"] < est[False].sizes["activations_peak"]
+    assert est[True].sizes["allocator_held"] == est[False].sizes["allocator_held"]
 
 
 def test_cli_json(capsys):

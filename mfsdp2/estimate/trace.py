@@ -201,12 +201,14 @@ def trace_step(
                 drop_grads(i)
 
         def pre(i: int, module: nn.Module, a: tuple, kw: dict):
-            mark("fwd_begin", i)
-            if not torch.is_grad_enabled():
-                return None
+            recompute = torch._C._current_graph_task_id() != -1  # activation checkpointing: the
+            if not recompute:  # unit is already gathered for its backward, as in mfsdp2's hooks
+                mark("fwd_begin", i)
             if mp.param_dtype is not None and mp.cast_forward_inputs:
                 cast = functools.partial(_cast, dtype=mp.param_dtype)
                 a, kw = tree_map(cast, a), tree_map(cast, kw)
+            if not torch.is_grad_enabled() or recompute:
+                return a, kw
             need = [t for t in tree_leaves((a, kw)) if isinstance(t, torch.Tensor) and t.requires_grad]
             if need:
                 pending_bwd[i] = pending_bwd.get(i, 0) + 1
@@ -216,6 +218,8 @@ def trace_step(
             return a, kw
 
         def post(i: int, module: nn.Module, a: tuple, kw: dict, out: Any):
+            if torch._C._current_graph_task_id() != -1:
+                return None
             mark("fwd_end", i)
             ts = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if ts:
