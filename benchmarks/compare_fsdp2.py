@@ -29,7 +29,8 @@ alone, fresh model, after one warm-up step) the peak tensor memory per rank and 
   its base ``MemTracker`` for mfsdp2 (mfsdp2's shards and allocator caches registered as external
   tensors) -- over two steady-state steps; everything live counts (shards, gathered weights,
   gradients, activations, optimizer state). mfsdp2's own accounting (persistent shards + allocator
-  peak) is reported beside it.
+  peak) is reported beside it, and ``mfsdp2.estimate_memory``'s prediction of it (``ratio``
+  ``estimate_error``, see ``benchmarks/memory_estimate.py``).
 * peak RSS: the kernel's high-water mark (VmHWM), reset before each framework's memory phase.
 
 Cases: ``mlp`` (8 x Linear(1024,4096)-GELU-Linear(4096,1024), global batch 16), ``llama``
@@ -287,6 +288,10 @@ def run_case(rank: int, ws: int, spec: dict, counter: C.CollectiveCounter) -> di
     for fw in FRAMEWORKS:
         mem[fw].update(_tensor_phase(fw, ref, name, config, mesh, rank, ws, spec["mem_steps"], warmup + steps))
     phase_s["tensor_memory"] = time.time() - t_phase
+    # mfsdp2.estimate_memory's prediction of the mfsdp2 peak (meta build, no processes involved)
+    from memory_estimate import estimate_for
+
+    estimate = estimate_for(name, config, ws).peak_bytes if rank == 0 else None
 
     return {
         "model": name,
@@ -301,6 +306,7 @@ def run_case(rank: int, ws: int, spec: dict, counter: C.CollectiveCounter) -> di
         "mfsdp2_padding": padding,
         "theoretical_bytes_per_step": theoretical,
         "memory": mem,
+        "mfsdp2_estimate_peak_bytes": estimate,
         "phase_s": phase_s,
         "load": load,
         "mfsdp2_version": getattr(mfsdp2, "__version__", None),
@@ -362,6 +368,7 @@ def _combine(per_rank: list[dict], ws: int) -> dict:
             d["own_accounting_rank0"] = mem[0]["own_accounting"]
             d["comm_stats_per_step"] = r0["mfsdp2_comm_stats_per_step"]
             d["padding"] = r0["mfsdp2_padding"]
+            d["estimate_peak_bytes"] = r0["mfsdp2_estimate_peak_bytes"]
         case[fw] = d
     a, b, t = case["mfsdp2"], case["fsdp2"], case["fsdp2_tuned"]
     theo = r0["theoretical_bytes_per_step"]
@@ -398,6 +405,8 @@ def _combine(per_rank: list[dict], ws: int) -> dict:
         "mfsdp2_wire_over_theoretical": a["wire_bytes_per_step"] / theo,
         "overhead": a["overhead_s"] / b["overhead_s"] if b["overhead_s"] > 0 else None,
         "overhead_vs_tuned": a["overhead_s"] / t["overhead_s"] if t["overhead_s"] > 0 else None,
+        # (mfsdp2.estimate_memory's peak - measured peak) / measured peak
+        "estimate_error": ratio(a["estimate_peak_bytes"] - a["peak_tensor_bytes"], a["peak_tensor_bytes"]),
     }
     la = r0["losses"]["mfsdp2"]
     case["loss_max_abs_diff"] = max(abs(x - y) for x, y in zip(la, r0["losses"]["fsdp2"]))

@@ -7,6 +7,7 @@ from .allocator import BucketAllocator, CachingAllocator, DynamicAllocator
 from .clip_grad import clip_grad_norm_
 from .comm import CollectiveError, comm_stats, set_collective_checks, set_collective_timeout
 from .diagnostics import check_buffers, check_finite_grads, describe, grad_norms, weight_norms
+from .estimate import MemoryEstimate, estimate_memory
 from .layout import BufferLayout, plan_layout
 from .meta_init import materialize
 from .mixed_precision import MixedPrecisionPolicy
@@ -44,4 +45,6 @@ __all__ = [
     "weight_norms",
     "check_finite_grads",
     "clip_grad_norm_",
+    "estimate_memory",
+    "MemoryEstimate",
 ]

@@ -1,0 +1,257 @@
+"""The static half of a memory estimate: which unit owns which parameters, the groups and flat
+layouts ``fully_shard`` would build, and the per-rank bytes that follow from them exactly.
+
+Nothing here needs a process group or real memory: a unit's parameters are found the way
+``fully_shard`` finds them (its own modules' parameters in registration order, nested units
+skipped, a parameter used by several units owned by their lowest common unit), grouped by
+``(dtype, requires_grad, fp8)`` as ``fully_shard`` groups them, and each group's layout is
+:func:`mfsdp2.layout.plan_layout` called with the arguments :class:`~mfsdp2.param_group.ParameterGroup`
+passes (the shard-group size, 16 bytes of the narrower of the compute and main dtypes). So the
+shard size ``S``, the padding and every rank's rows are the runtime's, and the bytes of main
+weights, main gradients, persistent weights and optimizer states are exact per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from ..layout import BufferLayout, plan_layout
+from ..mixed_precision import MixedPrecisionPolicy
+from ..strategy import ShardingStrategy
+
+__all__ = ["GroupPlan", "UnitPlan", "plan_units", "resolve_units", "OptimizerSpec", "OPTIMIZERS"]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """What an optimizer keeps per parameter and what its step allocates.
+
+    ``states``: state tensors the size of the parameter's local rows, in the main dtype;
+    ``step_tensor``: a 4-byte ``step`` tensor per parameter (on the host for CUDA parameters
+    unless fused / capturable, as torch keeps it); ``temps``: parameter-sized temporaries alive at
+    once inside the step -- per parameter for the single-tensor loop (the largest local piece),
+    over all of a device's parameters for ``foreach`` (torch's ``_foreach_sqrt`` of the second
+    moments, ...), none for ``fused``."""
+
+    states: int
+    step_tensor: bool
+    temps_single: int
+    temps_foreach: int
+
+
+OPTIMIZERS = {
+    # AdamW / Adam: exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad); the single-tensor step makes
+    # sqrt(exp_avg_sq) and its quotient (two temporaries), foreach one list of sqrt.
+    "adamw": OptimizerSpec(2, True, 2, 1),
+    "adam": OptimizerSpec(2, True, 2, 1),
+    "adamw_amsgrad": OptimizerSpec(3, True, 2, 1),
+    "adam_amsgrad": OptimizerSpec(3, True, 2, 1),
+    "sgd": OptimizerSpec(0, False, 0, 0),
+    "sgd_momentum": OptimizerSpec(1, False, 0, 0),
+    "adagrad": OptimizerSpec(1, True, 1, 1),
+    "rmsprop": OptimizerSpec(1, True, 1, 1),
+    "rmsprop_momentum": OptimizerSpec(2, True, 1, 1),
+    "rmsprop_centered": OptimizerSpec(2, True, 2, 1),
+}
+
+
+@dataclass
+class GroupPlan:
+    """One :class:`~mfsdp2.param_group.ParameterGroup` as ``fully_shard`` would build it."""
+
+    unit: str
+    index: int
+    shapes: list[tuple[int, ...]]
+    param_ids: list[int]
+    orig_dtype: torch.dtype
+    requires_grad: bool
+    fp8: Optional[torch.dtype]
+    compute_dtype: torch.dtype
+    main_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    layout: BufferLayout
+
+    @property
+    def S(self) -> int:
+        return self.layout.shard_numel
+
+    @property
+    def total(self) -> int:
+        return self.layout.total_numel
+
+    def local_numel(self, rank: int) -> int:
+        """Elements of this rank's rows (the optimizer's states follow these, not the padding)."""
+        lo, hi = self.layout.shard_range(rank)
+        return sum(max(0, min(hi, s.offset + s.numel) - max(lo, s.offset)) for s in self.layout.slots)
+
+    def local_pieces(self, rank: int) -> list[int]:
+        lo, hi = self.layout.shard_range(rank)
+        return [max(0, min(hi, s.offset + s.numel) - max(lo, s.offset)) for s in self.layout.slots]
+
+
+@dataclass
+class UnitPlan:
+    name: str
+    modules: list[nn.Module]
+    groups: list[GroupPlan] = field(default_factory=list)
+    is_root: bool = False
+
+    def gathered_bytes(self) -> int:
+        """The unit's gathered weights (every group's full buffer in its compute dtype)."""
+        return sum(g.total * _itemsize(g.compute_dtype) for g in self.groups)
+
+    def flat_grad_bytes(self) -> int:
+        """The flat gradients its reduction reads (reduce dtype, every trainable group)."""
+        return sum(g.total * _itemsize(g.reduce_dtype) for g in self.groups if g.requires_grad)
+
+
+UnitsArg = Union[None, Sequence[nn.Module], type, tuple, Callable[[str, nn.Module], bool]]
+
+
+def resolve_units(model: nn.Module, units: UnitsArg) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` of every unit, the root (``model``) last. ``units``: a list of modules of
+    ``model``, a module class (or tuple of classes: every module of that type), or a predicate
+    ``(path, module) -> bool``; None: the root alone."""
+    named = list(model.named_modules())
+    if units is None:
+        chosen: list[tuple[str, nn.Module]] = []
+    elif isinstance(units, type) or (isinstance(units, tuple) and units and all(isinstance(u, type) for u in units)):
+        chosen = [(n, m) for n, m in named if isinstance(m, units) and m is not model]
+    elif callable(units) and not isinstance(units, nn.Module):
+        chosen = [(n, m) for n, m in named if m is not model and units(n, m)]
+    else:
+        ids = {id(m) for m in units}
+        chosen = [(n, m) for n, m in named if id(m) in ids and m is not model]
+        paths = {id(m) for _, m in chosen}
+        missing = [type(m).__name__ for m in units if id(m) not in paths and m is not model]
+        if missing:
+            raise ValueError(f"mfsdp2.estimate_memory: units {missing} are not sub-modules of the model")
+    return chosen + [("", model)]
+
+
+def _owned_params(units: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Parameter]]]:
+    """Per unit: its own parameters as ``fully_shard`` collects them (registration order, nested
+    units skipped, deduplicated); a parameter several units use goes to their lowest common unit
+    (``shared_params.adopt_shared``)."""
+    unit_ids = {id(m): i for i, (_, m) in enumerate(units)}
+    parent: dict[int, Optional[int]] = {}
+    uses: dict[int, list[int]] = {}
+    params: dict[int, tuple[str, nn.Parameter]] = {}
+    per_unit: list[list[int]] = [[] for _ in units]
+
+    def visit(i: int, m: nn.Module, prefix: str) -> None:
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in params:
+                params[id(p)] = (prefix + attr, p)
+            if i not in uses.setdefault(id(p), []):
+                uses[id(p)].append(i)
+                per_unit[i].append(id(p))
+        for name, child in m._modules.items():
+            if child is None:
+                continue
+            if id(child) in unit_ids:
+                parent.setdefault(unit_ids[id(child)], i)
+                continue
+            visit(i, child, prefix + name + ".")
+
+    # Children first, as fully_shard is applied; parents are found while walking the root down.
+    for i, (path, m) in reversed(list(enumerate(units))):
+        visit(i, m, path + "." if path else "")
+
+    def ancestors(i: int) -> list[int]:
+        out = [i]
+        while parent.get(out[-1]) is not None:
+            out.append(parent[out[-1]])
+        return out
+
+    owner: dict[int, int] = {}
+    for pid, us in uses.items():
+        # Used by several units: the one above all the others takes it (a tied embedding and
+        # output layer: the root); units that are not nested in each other cannot share one.
+        owner[pid] = next((u for u in us if all(u in ancestors(v) for v in us)), us[0])
+    return [[params[pid] for pid in per_unit[i] if owner[pid] == i] for i in range(len(units))]
+
+
+def plan_units(
+    units: list[tuple[str, nn.Module]],
+    shard_world: int,
+    mp: MixedPrecisionPolicy,
+    shard_dims: Optional[Callable[[str, nn.Parameter], int]] = None,
+) -> list[UnitPlan]:
+    """Groups and layouts of every unit (``shard_world``: the shard-group size; 1 for no_shard)."""
+    owned = _owned_params(units)
+    plans = []
+    for (path, module), params in zip(units, owned):
+        unit = UnitPlan(path or "root", [module], is_root=path == "")
+        by_key: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
+        seen: set[int] = set()
+        for fqn, p in params:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            fp8 = mp.all_gather_dtype if p.dim() >= 2 and p.dtype.is_floating_point else None
+            by_key.setdefault((p.dtype, p.requires_grad, fp8), []).append((fqn, p))
+        for gi, ((dtype, rg, fp8), ps) in enumerate(by_key.items()):
+            compute = mp.compute_dtype(dtype)
+            main = mp.main_dtype(dtype, rg)
+            itemsize = min(torch.finfo(d).bits if d.is_floating_point else torch.iinfo(d).bits for d in (compute, main)) // 8
+            shapes = [tuple(int(s) for s in p.shape) for _, p in ps]
+            dims = [int(shard_dims(f, p)) if shard_dims else 0 for f, p in ps]
+            layout = plan_layout(shapes, shard_world, align=max(16 // itemsize, 1), dims=dims)
+            unit.groups.append(GroupPlan(unit.name, gi, shapes, [id(p) for _, p in ps], dtype, rg, fp8, compute, main,
+                                         mp.grad_dtype(dtype, rg), mp.wire_reduce_dtype(compute), layout))
+        plans.append(unit)
+    return plans
+
+
+def persistent_bytes(plans: Iterable[UnitPlan], strategy: ShardingStrategy, offloaded: bool, rank: int,
+                     optimizer: OptimizerSpec, step_on_device: bool) -> dict[str, int]:
+    """Exact per-rank bytes of what lives for the whole run, by kind, split device / host.
+
+    ``model_weights``: the full weights persistent strategies keep (ZeRO-1/2, no_shard), in the
+    compute dtype; ``main_weights``: the shard the optimizer updates (none extra where it is the
+    persistent buffer's own slice); ``main_grads``: each group's main gradient (shard-size, or
+    full-size for ZeRO-1 / no_shard) -- live from the first reduction to the next root forward;
+    ``optimizer_states``: the states over this rank's rows (plus 4-byte step tensors)."""
+    out = dict.fromkeys(("model_weights", "main_weights", "main_grads", "optimizer_states",
+                         "host_main_weights", "host_main_grads", "host_optimizer_states"), 0)
+    persistent = not strategy.shards_params
+    for u in plans:
+        for g in u.groups:
+            shares = g.main_dtype == g.compute_dtype and not offloaded
+            if persistent:
+                out["model_weights"] += g.total * _itemsize(g.compute_dtype)
+            if not (persistent and shares):
+                out["host_main_weights" if offloaded else "main_weights"] += g.S * _itemsize(g.main_dtype)
+            if g.requires_grad:
+                n = g.S if strategy.shards_grads else g.total
+                out["host_main_grads" if offloaded else "main_grads"] += n * _itemsize(g.grad_dtype)
+                states = optimizer.states * g.local_numel(rank) * _itemsize(g.main_dtype)
+                steps = 4 * len(g.shapes) if optimizer.step_tensor else 0
+                out["host_optimizer_states" if offloaded else "optimizer_states"] += states
+                out["optimizer_states" if step_on_device and not offloaded else "host_optimizer_states"] += steps
+    return out
+
+
+def optimizer_temp_bytes(plans: Iterable[UnitPlan], rank: int, optimizer: OptimizerSpec, impl: str) -> int:
+    """Bytes of the optimizer step's temporaries on ``rank`` (see :class:`OptimizerSpec`)."""
+    trainable = [g for u in plans for g in u.groups if g.requires_grad]
+    if impl == "fused" or not trainable:
+        return 0
+    if impl == "foreach":
+        by_dtype: dict[torch.dtype, int] = {}
+        for g in trainable:
+            by_dtype[g.main_dtype] = by_dtype.get(g.main_dtype, 0) + g.local_numel(rank)
+        return optimizer.temps_foreach * max(n * _itemsize(d) for d, n in by_dtype.items())
+    return optimizer.temps_single * max(max(g.local_pieces(rank), default=0) * _itemsize(g.main_dtype) for g in trainable)
