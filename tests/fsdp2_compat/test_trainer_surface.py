@@ -179,40 +179,37 @@ class _Scaled(nn.Module):
         return 2 * w + 0.1
 
 
+def _train(model, rank, steps, before_step=lambda step: None):
+    """``steps`` AdamW steps; losses, the gradients of the last backward, the final snapshot."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        before_step(step)
+        loss = _loss(model, step, rank)
+        loss.backward()
+        losses.append(mean_loss(loss))
+        grads = snapshot(model)
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads": grads, "final": snapshot(model)}
+
+
 def parametrized(shard, mesh, rank):
     def prepare(model):
         for b in model.blocks:
             parametrize.register_parametrization(b.fc1, "weight", _Scaled())
 
-    model = _model(shard, mesh, prepare)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        loss = _loss(model, step, rank)
-        loss.backward()
-        losses.append(mean_loss(loss))
-        grads = snapshot(model)
-        opt.step()
-        opt.zero_grad()
-    return {"losses": losses, "grads": grads, "final": snapshot(model)}
+    return _train(_model(shard, mesh, prepare), rank, STEPS)
 
 
 def requires_grad_toggle(shard, mesh, rank):
     model = _model(shard, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(2 * STEPS):
-        if step == 1:
-            model.blocks[1].requires_grad_(False)
-        if step == 3:
-            model.blocks[1].requires_grad_(True)
-        loss = _loss(model, step, rank)
-        loss.backward()
-        losses.append(mean_loss(loss))
-        grads = snapshot(model)
-        opt.step()
-        opt.zero_grad()
-    return {"losses": losses, "grads": grads, "final": snapshot(model)}
+
+    def toggle(step):
+        if step in (1, 3):  # frozen for steps 1-2, trainable again from step 3
+            model.blocks[1].requires_grad_(step == 3)
+
+    return _train(model, rank, 2 * STEPS, toggle)
 
 
 SCENARIOS = {f.__name__: f for f in (clip, grad_scaler, ema, parametrized, requires_grad_toggle)}
