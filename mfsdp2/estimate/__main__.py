@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         prefetch_depth=a.prefetch, reshard_after_forward=raf, batch_size=a.batch, seq_len=a.seq,
         device=a.device, allocator=a.allocator, rank=a.rank,
     )
-    print(est.to_json() if a.json else est)
+    sys.stdout.write(f"{est.to_json() if a.json else est}\n")
     return 0
 
 
