@@ -23,8 +23,8 @@ interpreter (the fake group is process-wide), one intra-op thread.
    forward+backward, time inside the fake backend's collectives, the same model's unsharded
    forward+backward (the compute), and the optimizer step (torch's AdamW on DTensors), in the
    thread's CPU time (wall time of the step beside it). What is left of forward+backward is
-   mfsdp2's hooks and collective bookkeeping ("own"). Targets
-   (issue 17): linear in units, flat in world size, a 126-layer model planned in under 1 s.
+   mfsdp2's hooks and collective bookkeeping ("own"). Targets: linear in units, flat in world
+   size, a 126-layer model planned in under 1 s.
 3. **The fake backend alone**: one ``all_gather_single`` / ``reduce_scatter_single`` at the narrow
    model's unit size, per world size: its per-call cost grows with the world size (it is not a
    real network), which is why step times at 1024 fake ranks are subtracted, not compared raw.

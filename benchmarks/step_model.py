@@ -9,7 +9,7 @@ Pure arithmetic, nothing runs on a device. Three parts, each a function the CPU 
   gradients, AdamW's two fp32 states) plus the transient buffers of the largest unit: its gathered
   bf16 weights, once per unit in flight (``1 + prefetch depth``), and the fp32 flat gradient its
   reduce-scatter reads. HSDP divides by the shard-group size only. Compared with the
-  layout-exact counts of ``benchmarks/results/scale.json`` (part 1 of issue 17).
+  layout-exact counts of ``benchmarks/results/scale.json``.
 * :func:`ring_time` -- an alpha-beta model of a ring collective: NCCL's own tuning model
   (latency = base + per-step hop latencies, intra-node steps over NVLink and inter-node steps over
   the network), bandwidth term ``(N-1)/N * bytes / bus bandwidth``.

@@ -1,4 +1,4 @@
-"""Edge cases and small FSDP2-compatibility defects (issue 15 item 5):
+"""Edge cases and small FSDP2-compatibility defects:
 
 * a parameter with a zero-size trailing dimension, shape (5, 0), at world size 2: its row counts
   sum to 5, ``full_tensor()`` and the state dicts give (5, 0), and training matches an unsharded

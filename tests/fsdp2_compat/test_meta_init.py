@@ -1,6 +1,6 @@
 """FSDP2's init recipes after ``fully_shard``: meta build + ``to_empty`` + per-module init,
 in-place ``copy_`` init from full sources, and ``model.to(dtype)``; the result must be what the
-model computes with and what trains (issue 14, silent bug 1: the conversion used to leave the
+model computes with and what trains (the conversion used to leave the
 DTensor parameters pointing at orphans the optimizer updated while the loss never moved).
 
 References: the unsharded model in this process (float64: ~1e-10 relative from rounding), and

@@ -1,4 +1,4 @@
-"""A step whose backward runs in several ``backward()`` calls (issue 14, silent bug 2).
+"""A step whose backward runs in several ``backward()`` calls.
 
 Large-vocabulary trainers back-propagate a chunked cross-entropy chunk by chunk through the output
 head, then the rest of the model with ``h.backward(h_det.grad)``; others call
