@@ -42,6 +42,9 @@ def test_dry_run_writes_a_summary_of_every_step(tmp_path):
         r = bench["results"][fw]
         assert r["step_s_median"] > 0 and r["collectives_per_step"] == 0, r  # world size 1: none
         assert "max_memory_allocated_bytes" in r and "max_memory_reserved_bytes" in r  # None on the CPU
+    prof = steps["profile"]
+    assert prof["status"] == "passed" and prof["results"]["device"] == "cpu", prof
+    assert prof["results"]["ranges"].get("mfsdp2.unshard", 0) >= 1, prof
     text = (tmp_path / "summary.txt").read_text()
     assert text.startswith("gpu-check (dry run): OK") and "benchmark" in text
 

@@ -17,7 +17,10 @@ reports what it did. Steps, in order:
    (``tests/test_slow_collectives.py`` and its harness tests), ``pytest -n`` by file.
 5. ``benchmark``: ``benchmarks/gpu.py`` at world size 1 (mfsdp2 and FSDP2: step time, memory
    including ``max_memory_allocated`` / ``max_memory_reserved``).
-6. ``suite``: the rest of the test suite with ``pytest -n 14`` (ports cannot collide: the test
+6. ``profile``: one profiled step of two ranks on the one GPU (``tools/gpu_profile.py``): mfsdp2's
+   named ranges, device work per stream, and how much of the side streams' work ran beside the
+   compute stream's kernels.
+7. ``suite``: the rest of the test suite with ``pytest -n 14`` (ports cannot collide: the test
    ranks' rendezvous stores are held by their parent, see tests/_dist.py).
 
 ``--dry-run`` runs the same plumbing on a machine without a GPU, fast: the steps that need CUDA
@@ -48,7 +51,7 @@ DRY_TESTS = {
     "cuda_tests": ["tests/test_offload_copies.py::test_copies_between_host_memories_block_and_record_nothing"],
     "suite": ["tests/test_comm_backend.py::test_only_nccl_like_backends_on_cuda_are_stream_ordered"],
 }
-STEPS = ("env", "native", "gates", "cuda_tests", "benchmark", "suite")
+STEPS = ("env", "native", "gates", "cuda_tests", "benchmark", "profile", "suite")
 
 
 class Run:
@@ -105,8 +108,11 @@ def render(s: dict) -> str:
         lines.append(line)
         for t in st.get("failed_tests", [])[:20]:
             lines.append(f"      FAILED {t}")
-        for fw, d in (st.get("results") or {}).items():
-            lines.append(f"      {fw}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in d.items()))
+        for key, d in (st.get("results") or {}).items():
+            if isinstance(d, dict):  # the benchmark: one line per framework
+                lines.append(f"      {key}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in d.items()))
+            else:
+                lines.append(f"      {key}: {_fmt(d)}")
     return "\n".join(lines) + "\n"
 
 
@@ -276,6 +282,23 @@ def step_benchmark(run: Run, env: dict, steps: int) -> None:
              **({"output_tail": tail[-1500:]} if status != "passed" else {})})
 
 
+def step_profile(run: Run, env: dict) -> None:
+    cmd = [sys.executable, "tools/gpu_profile.py", "--out", run.out] + (["--cpu", "--warmup", "1"] if run.dry_run else [])
+    rc, secs, tail = _call(cmd, min(90.0, max(run.left() - 60, 10.0)), env, os.path.join(run.out, "profile.log"))
+    path = os.path.join(run.out, "profile_summary.json")
+    summary = {}
+    if rc == 0 and os.path.exists(path):
+        with open(path) as f:
+            full = json.load(f)
+        r0 = full["ranks"][0]
+        summary = {"device": full["device"], "ranges": r0["ranges"], "streams": len(r0["streams"]),
+                   "side_busy_ms": r0["side_busy_ms"], "overlap_ms": r0["overlap_ms"],
+                   "overlap_fraction": r0["overlap_fraction"]}
+    status = "timeout" if rc is None else "passed" if rc == 0 and summary else "failed"
+    run.add({"name": "profile", "status": status, "seconds": round(secs, 1), "command": " ".join(cmd), "results": summary,
+             **({"output_tail": tail[-1500:]} if status != "passed" else {})})
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "gpu-check-results"),
@@ -295,6 +318,7 @@ def main(argv=None) -> int:
     pytest_step(run, "cuda_tests", cuda_targets, 1 if a.dry_run else 8, min(150.0, run.left() - 90), env,
                 dist="loadgroup")
     step_benchmark(run, env, a.bench_steps)
+    step_profile(run, env)
     suite = DRY_TESTS["suite"] if a.dry_run else ["tests"] + [f"--ignore={t}" for t in CUDA_TESTS]
     pytest_step(run, "suite", suite, 1 if a.dry_run else a.workers, max(run.left() - 5, 10.0), env)
     s = run.summary()
