@@ -22,8 +22,13 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mfsdp2 import fully_shard
+from mfsdp2.allocator import CachingAllocator
+from mfsdp2.buffer import DataParallelBuffer
+from mfsdp2.comm import CommHandle
+from mfsdp2.layout import plan_layout
 
 from ._dist import run_ranks
 
@@ -85,3 +90,66 @@ def test_step_peak_is_what_the_schedule_needs(allocator):
         assert r["peak"] == (B + 4) * M, (r, (B + 4) * M)
         if allocator == "trace_pool":
             assert r["pool"] == r["peak"], r
+
+
+# -- reshard_after_forward=<int>: the backward's in-group gather needs no staging copy -------------
+class _Allocations(TorchDispatchMode):
+    """Bytes of every tensor a factory op creates while active (on the CPU nothing else allocates)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._schema.name in ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::clone"):
+            self.sizes.append(out.numel() * out.element_size())
+        return out
+
+
+class _GroupGather:
+    """A block of ``k`` ranks whose all-gather concatenates the members' inputs in rank order
+    (what every backend's all_gather_into_tensor does), with the other members' pieces given."""
+
+    def __init__(self, k, rank, pieces):
+        self.world_size, self.rank, self.pieces = k, rank, pieces
+
+    def all_gather(self, out, inp, label=""):
+        got = list(self.pieces)
+        got[self.rank] = inp
+        out.copy_(torch.cat(got))
+        return CommHandle(label=label)
+
+
+@pytest.mark.parametrize("N,k", [(4, 2), (8, 4), (8, 2), (6, 3)])
+def test_in_group_gather_writes_the_buffer_without_a_full_size_staging_copy(N, k):
+    """After forward each rank keeps 1/k of the gathered buffer; the backward unshard rebuilds it
+    with one gather inside the block of k ranks. Its memory is the buffer plus the kept piece: the
+    gather writes the buffer itself (before: a full-size staging tensor beside it, then a copy)."""
+    layout = plan_layout([(N * 3, 5), (N, 2)], N)
+    full = torch.randn(layout.total_numel)
+    pieces = {}
+    bufs = []
+    for r in range(N):
+        buf = DataParallelBuffer(layout, torch.float32, torch.device("cpu"), _Fake(N, r))
+        buf.materialize()
+        buf._writer.copy_(full)
+        pieces[r] = buf.keep_for_group(k)
+        bufs.append(buf)
+    nbytes = layout.total_numel * 4
+    for r, buf in enumerate(bufs):
+        assert not buf.is_unsharded and pieces[r].numel() * k == layout.total_numel
+        block = r - r % k
+        sub = _GroupGather(k, r % k, [pieces[block + j] for j in range(k)])
+        with _Allocations() as seen:
+            h = buf.all_gather_in_group(pieces[r], sub, CachingAllocator(), ("weight", "u", 0))
+            h.wait()
+        assert torch.equal(buf._writer, full), (N, k, r)
+        # One full-size block (the buffer's own memory), nothing else of that size.
+        assert sorted(seen.sizes) == [nbytes], (seen.sizes, nbytes)
+        buf.free_unsharded()
+
+
+class _Fake:
+    def __init__(self, world_size, rank):
+        self.world_size, self.rank = world_size, rank
