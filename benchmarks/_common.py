@@ -701,16 +701,9 @@ def mfsdp2_gathered_storages(model: nn.Module) -> set:
 
 
 def mfsdp2_allocator_memory(alloc) -> list:
-    """Tensors holding all memory an mfsdp2 allocator keeps: cached free blocks, trace pools, and
-    what a trace pool's fallback caches (live blocks are views of these or new tensors)."""
-    out = []
-    for a in (alloc, getattr(alloc, "fallback", None)):
-        if a is None:
-            continue
-        for bucket in getattr(a, "_free", {}).values():
-            out += list(bucket)
-        out += [p.tensor for p in getattr(a, "_pools", {}).values()]
-    return out
+    """Tensors holding all memory an mfsdp2 allocator keeps: live blocks, cached free blocks, trace
+    pools and what a trace pool's fallback holds (``BucketAllocator.held_tensors``)."""
+    return alloc.held_tensors()
 
 
 def mfsdp2_persistent_bytes(model: nn.Module) -> dict:

@@ -1,28 +1,49 @@
 """Allocators for the runtime's transient flat buffers (gathered weights, unsharded gradients,
-reduce-scatter outputs and receive scratch).
+reduce-scatter outputs and receive scratch, main gradients).
 
 Why the runtime has its own: torch FSDP2 allocates these buffers fresh on every use. On CPU a
 buffer above glibc's mmap threshold (32 MiB after adaptation) is returned to the OS on free, so
-each step pays mmap plus page faults for every one of them; on GPU the churn fragments the caching
-allocator. Our buffers have a handful of sizes that repeat every step, so caching them by size
-removes the churn.
+each step pays mmap plus page faults for every one of them. Our buffers have a handful of sizes
+that repeat every step, so caching those by size removes the churn.
 
 Interface: ``allocate(key, numel, dtype, device) -> Tensor`` and ``free(key)``; the key names the
 buffer's role (e.g. ``("grad", unit, group)``) so a trace-based allocator can recognise a step's
-pattern; ``mark_step(tag)`` tells it where a step begins. Statistics: live bytes, peak live bytes
-and the number of underlying allocations.
+pattern; ``mark_step(tag)`` tells it where a step begins and ``release_idle(next_phase)`` where a
+phase of it ends (the root's training forward; a backward). Statistics: live bytes, peak live
+bytes and the number of underlying allocations; ``idle_bytes()``: what it holds that no live
+buffer uses.
 
 Three implementations, chosen with ``fully_shard(root, allocator=...)``:
 
 * ``"dynamic"`` (:class:`DynamicAllocator`): fresh memory per request, what torch FSDP2 does;
 * ``"caching"`` (:class:`CachingAllocator`, default): reuses freed blocks of the same size;
-* ``"trace_pool"`` (:class:`~mfsdp2.trace_pool.TracePoolAllocator`): records a step, plans offsets in one pool per
-  (device, dtype) (:mod:`mfsdp2.pool_plan`) and serves the next steps from it.
+* ``"trace_pool"`` (:class:`~mfsdp2.trace_pool.TracePoolAllocator`): records a step, plans offsets in
+  one pool per (device, dtype, phase of the step) (:mod:`mfsdp2.pool_plan`) and serves the next
+  steps from it.
 
-On CUDA no event bookkeeping is needed for reuse: the runtime frees a block in program order on
-the current stream, after the collective that used it was waited (the current stream waits on
-the side stream's event), and every side-stream collective first waits on the current stream.
-So a block's next user is always ordered after its last one, with no ``record_stream``.
+What is held when (the caching allocator; the trace pool's fallback is one). Memory the runtime
+holds idle is memory the step's activations, loss and optimizer cannot use, so a block is held
+only where that costs nothing or giving it back would cost more:
+
+* main gradients, and the all-reduce buckets whose slices are main gradients
+  (:data:`EXACT_ROLES`), go back to torch when released at the next forward: they are dead until
+  the next backward writes them, which obtains them afresh;
+* any other freed block goes back to torch at once -- where torch caches it for the next request,
+  an activation's included (CUDA's caching allocator; malloc's heap on the CPU) -- except on the
+  CPU a block of :data:`MAP_FRESH_BYTES` or more, which glibc would map afresh with a page fault
+  per 4 KiB every time. Those are cached for reuse within the phase (forward, backward) and given
+  back when it ends, all but the ones the next phase will ask for before it frees one (its opening
+  working set, counted when that phase last ran).
+
+So on CUDA the allocated peak is the step's schedule bound (:mod:`mfsdp2.memory_bound`): nothing
+is held idle; on the CPU, up to big blocks waiting inside a phase or across its end for their next
+user.
+
+On CUDA no event bookkeeping is needed for reuse, by mfsdp2 or by torch: the runtime frees a block
+in program order on the current stream, after the collective that used it was waited (the current
+stream waits on the side stream's event), and every side-stream collective first waits on the
+current stream. So a block's next user is always ordered after its last one, with no
+``record_stream``.
 """
 
 from __future__ import annotations
@@ -54,6 +75,8 @@ class AllocatorStats:
     # Per role (the first element of a tuple key, e.g. "weight", "grad"): live and peak counts.
     live_by_role: dict = field(default_factory=dict)
     peak_by_role: dict = field(default_factory=dict)
+    # Per role: live bytes (what a memory breakdown at one moment needs).
+    live_bytes_by_role: dict = field(default_factory=dict)
     # Buffers dropped without reuse because a collective using them may still run (see leak).
     leaked_buffers: int = 0
     leaked_bytes: int = 0
@@ -68,10 +91,26 @@ class AllocatorStats:
         self.live_bytes += sign * nbytes
         self.live_buffers += sign
         self.live_by_role[role] = self.live_by_role.get(role, 0) + sign
+        self.live_bytes_by_role[role] = self.live_bytes_by_role.get(role, 0) + sign * nbytes
         if sign > 0:
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             self.peak_buffers = max(self.peak_buffers, self.live_buffers)
             self.peak_by_role[role] = max(self.peak_by_role.get(role, 0), self.live_by_role[role])
+
+
+# Roles whose buffers outlive the backward that wrote them -- the main gradients, and the all-reduce
+# buckets whose slices are main gradients -- until the next forward: a block cached after that
+# would sit idle through the whole forward, so they go back to torch when freed.
+EXACT_ROLES = frozenset({"main_grad", "grad_bucket"})
+
+# glibc serves allocations of 32 MiB and more (its mmap threshold's ceiling on 64-bit) with a fresh
+# mapping each time: taking such a block back from torch costs a page fault per 4 KiB.
+MAP_FRESH_BYTES = 32 * 2**20
+
+
+def role_of(key: Hashable) -> str:
+    """A buffer key's role: its first element (``("grad", unit, group)`` -> ``"grad"``)."""
+    return key[0] if isinstance(key, tuple) and key else key
 
 
 class BucketAllocator:
@@ -126,12 +165,32 @@ class BucketAllocator:
     def _forget(self, key: Hashable, tensor: torch.Tensor) -> None:
         """Subclasses: drop ``key`` from their own bookkeeping without making its memory reusable."""
 
+    def keeps(self, device: torch.device, nbytes: int) -> bool:
+        """Whether this allocator keeps a freed block of ``nbytes`` on ``device`` for reuse
+        (rather than giving it back to torch at once)."""
+        return False
+
+    def release_idle(self, next_phase: str = "forward") -> None:
+        """A phase of the step ended (the root's training forward: ``next_phase="backward"``; a
+        backward: ``"forward"``): give back to torch the blocks no live buffer uses."""
+
     def mark_step(self, tag: Hashable = None) -> None:
         """A step (the root's forward and what follows it) begins; ``tag`` says what kind
         (the runtime passes whether grad is enabled and whether gradients sync)."""
 
     def is_live(self, key: Hashable) -> bool:
         return key in self._live
+
+    def idle_bytes(self) -> int:
+        """Bytes this allocator holds that no live buffer uses (cached free blocks, unused pool
+        bytes): memory nothing else can use meanwhile. :mod:`mfsdp2.memory_bound` subtracts it
+        to get the schedule's own bound."""
+        return 0
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor that holds memory of this allocator (live blocks, free blocks, pools),
+        for memory trackers that must count what it holds."""
+        return list(self._live.values()) + list(self._leaked)
 
 
 class DynamicAllocator(BucketAllocator):
@@ -143,7 +202,8 @@ class DynamicAllocator(BucketAllocator):
 
 
 class CachingAllocator(BucketAllocator):
-    """Reuses freed buffers of the exact same (numel, dtype, device); never returns memory mid-run.
+    """Reuses freed buffers of the exact same (numel, dtype, device) inside a phase of a step, and
+    holds nothing idle across one (see the module docstring, "What is held when").
 
     Exact-size classes are enough: the runtime's buffers come in one size per unit and group.
     """
@@ -151,20 +211,78 @@ class CachingAllocator(BucketAllocator):
     def __init__(self) -> None:
         super().__init__()
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        self._cached = 0  # bytes in _free
+        self._phase = "forward"  # what runs now: "forward" (from mark_step) or "backward"
+        # Requests of each size class a phase makes before it frees a block of that class (its
+        # opening working set), as counted the last time that phase ran, and in the running one.
+        self._opening: dict[str, dict[tuple, int]] = {}
+        self._counting: dict[tuple, int] = defaultdict(int)
+        self._freed_classes: set = set()
+
+    def keeps(self, device: torch.device, nbytes: int) -> bool:
+        """Whether a freed block of this size stays cached for reuse (else it goes back to torch
+        at once, where the next request -- an activation's too -- can take it): only where torch
+        cannot hold it cheaply for us, blocks of :data:`MAP_FRESH_BYTES` and more on the CPU
+        (torch's CPU allocator is malloc, which maps those afresh each time). On CUDA torch's
+        caching allocator keeps every block; on the CPU malloc keeps the smaller ones."""
+        return device.type == "cpu" and nbytes >= MAP_FRESH_BYTES
 
     def _obtain(self, key, numel, dtype, device):
-        bucket = self._free[(numel, dtype, device)]
+        cls = (numel, dtype, device)
+        if cls not in self._freed_classes:
+            self._counting[cls] += 1
+        bucket = self._free.get(cls)
         if bucket:
-            return bucket.pop()
+            t = bucket.pop()
+            self._cached -= t.numel() * t.element_size()
+            return t
         self.stats.underlying_allocations += 1
         return torch.empty(numel, dtype=dtype, device=device)
 
     def _release(self, key, tensor):
-        self._free[(tensor.numel(), tensor.dtype, tensor.device)].append(tensor)
+        cls = (tensor.numel(), tensor.dtype, tensor.device)
+        self._freed_classes.add(cls)
+        nbytes = tensor.numel() * tensor.element_size()
+        if role_of(key) in EXACT_ROLES or not self.keeps(tensor.device, nbytes):
+            return  # back to torch now
+        self._free[cls].append(tensor)
+        self._cached += nbytes
 
     def cached_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for b in self._free.values() for t in b)
+        return self._cached
+
+    def idle_bytes(self) -> int:
+        return self._cached
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return super().held_tensors() + [t for b in self._free.values() for t in b]
+
+    def mark_step(self, tag: Hashable = None) -> None:
+        self._begin("forward")
+
+    def release_idle(self, next_phase: str = "forward") -> None:
+        """The running phase ended and ``next_phase`` (``"forward"`` / ``"backward"``) comes next:
+        give back every idle block, except, of each size class glibc maps afresh
+        (:data:`MAP_FRESH_BYTES` and more, on the CPU), the blocks ``next_phase`` will ask for
+        before it frees one of them (counted when it last ran): those would be page-faulted
+        in again at once (~16 ms per 32 MiB on a KVM guest), and they are idle only across the gap."""
+        self._opening[self._phase] = dict(self._counting)
+        keep = self._opening.get(next_phase, {})
+        for cls, bucket in list(self._free.items()):
+            n = keep.get(cls, 0) if cls[0] * cls[1].itemsize >= MAP_FRESH_BYTES else 0
+            while len(bucket) > n:
+                t = bucket.pop()
+                self._cached -= t.numel() * t.element_size()
+            if not bucket:
+                del self._free[cls]
+        self._begin(next_phase)
+
+    def _begin(self, phase: str) -> None:
+        self._phase = phase
+        self._counting = defaultdict(int)
+        self._freed_classes = set()
 
     def release_cached(self) -> None:
         """Drop the free blocks (live ones are untouched), e.g. once a pool has replaced them."""
         self._free.clear()
+        self._cached = 0
