@@ -31,13 +31,17 @@ only where that costs nothing or giving it back would cost more:
 * any other freed block goes back to torch at once -- where torch caches it for the next request,
   an activation's included (CUDA's caching allocator; malloc's heap on the CPU) -- except on the
   CPU a block of :data:`MAP_FRESH_BYTES` or more, which glibc would map afresh with a page fault
-  per 4 KiB every time. Those are cached for reuse within the phase (forward, backward) and given
-  back when it ends, all but the ones the next phase will ask for before it frees one (its opening
-  working set, counted when that phase last ran).
+  per 4 KiB every time (~16 ms per 32 MiB on the benchmark VM). Those are cached only while the
+  step will ask for them again: after each free the cache keeps as many blocks of that size as
+  the rest of the phase (forward, backward) and the next phase's opening requests will take, as
+  the last run of that phase went (:class:`_Demand`), and at a phase's end as many as the next
+  phase asks for before it frees one (``hold_between_steps=False``: none at the end of backward).
 
 So on CUDA the allocated peak is the step's schedule bound (:mod:`mfsdp2.memory_bound`): nothing
-is held idle; on the CPU, up to big blocks waiting inside a phase or across its end for their next
-user.
+is held idle. On the CPU big blocks wait idle only across a phase's end for the next phase's first
+requests (the loss; the optimizer step): the bound on every benchmark case but one
+(``reshard_after_forward=False``, whose forward asks for every unit's weights before freeing any:
+``hold_between_steps=False`` gives them back, for page faults each step).
 
 On CUDA no event bookkeeping is needed for reuse, by mfsdp2 or by torch: the runtime frees a block
 in program order on the current stream, after the collective that used it was waited (the current
@@ -51,7 +55,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Hashable, Optional
 
 import torch
 
@@ -201,23 +205,74 @@ class DynamicAllocator(BucketAllocator):
         return torch.empty(numel, dtype=dtype, device=device)
 
 
+class _Demand:
+    """Per size class, the sequence of requests (+1) and frees (-1) each phase of a step made the
+    last time it ran, and the running phase's so far: how many cached blocks the rest of the phase,
+    and the next phase's opening requests, will take (:meth:`CachingAllocator._trim`)."""
+
+    __slots__ = ("last", "cur", "diverged")
+
+    def __init__(self) -> None:
+        self.last: dict[tuple, dict[tuple, list[int]]] = {}  # (step tag, phase) -> class -> events
+        self.cur: dict[tuple, list[int]] = defaultdict(list)
+        self.diverged: set = set()  # classes whose events left the last run's this phase
+
+    def note(self, key: tuple, cls: tuple, event: int) -> None:
+        seq = self.last.get(key, {}).get(cls)
+        cur = self.cur[cls]
+        if seq is None or len(cur) >= len(seq) or seq[len(cur)] != event:
+            self.diverged.add(cls)
+        cur.append(event)
+
+    def end(self, key: tuple) -> None:
+        if self.cur:
+            self.last[key] = dict(self.cur)
+        self.cur = defaultdict(list)
+        self.diverged = set()
+
+    def opening(self, key: tuple, cls: tuple) -> int:
+        """Requests the phase made before its first free (what it needs before it can reuse)."""
+        n = 0
+        for e in self.last.get(key, {}).get(cls, ()):
+            if e < 0:
+                break
+            n += 1
+        return n
+
+    def needed(self, key: tuple, next_key: tuple, cls: tuple) -> Optional[int]:
+        """Cached blocks of ``cls`` the rest of the running phase and the next phase's opening
+        will take (the highest the live count climbs above today's); None: unknown (first run,
+        or the phase left its last run), keep them all until the phase ends."""
+        if cls in self.diverged or key not in self.last:
+            return None
+        rest = self.last[key].get(cls, [])[len(self.cur[cls]):]
+        climb = peak = 0
+        for e in rest:
+            climb += e
+            peak = max(peak, climb)
+        return max(peak, climb + self.opening(next_key, cls))
+
+
 class CachingAllocator(BucketAllocator):
-    """Reuses freed buffers of the exact same (numel, dtype, device) inside a phase of a step, and
-    holds nothing idle across one (see the module docstring, "What is held when").
+    """Reuses freed buffers of the exact same (numel, dtype, device) where torch cannot cache them
+    cheaply, only while the step will ask for them again (see the module docstring, "What is held
+    when").
 
     Exact-size classes are enough: the runtime's buffers come in one size per unit and group.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hold_between_steps: bool = True) -> None:
+        """``hold_between_steps=False``: at the end of a backward give back every cached block,
+        the next forward's opening ones too, so nothing at all is held through the optimizer step
+        -- at the price of page-faulting them in again each step (CPU blocks of
+        :data:`MAP_FRESH_BYTES` and more only; elsewhere nothing is cached anyway)."""
         super().__init__()
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         self._cached = 0  # bytes in _free
+        self._tag: Hashable = None  # the step's kind (mark_step)
         self._phase = "forward"  # what runs now: "forward" (from mark_step) or "backward"
-        # Requests of each size class a phase makes before it frees a block of that class (its
-        # opening working set), as counted the last time that phase ran, and in the running one.
-        self._opening: dict[str, dict[tuple, int]] = {}
-        self._counting: dict[tuple, int] = defaultdict(int)
-        self._freed_classes: set = set()
+        self._demand = _Demand()
+        self.hold_between_steps = hold_between_steps
 
     def keeps(self, device: torch.device, nbytes: int) -> bool:
         """Whether a freed block of this size stays cached for reuse (else it goes back to torch
@@ -227,10 +282,16 @@ class CachingAllocator(BucketAllocator):
         caching allocator keeps every block; on the CPU malloc keeps the smaller ones."""
         return device.type == "cpu" and nbytes >= MAP_FRESH_BYTES
 
+    def _key(self, phase: Optional[str] = None) -> tuple:
+        return (self._tag, phase or self._phase)
+
+    def _next_key(self) -> tuple:
+        return self._key("backward" if self._phase == "forward" else "forward")
+
     def _obtain(self, key, numel, dtype, device):
         cls = (numel, dtype, device)
-        if cls not in self._freed_classes:
-            self._counting[cls] += 1
+        if role_of(key) not in EXACT_ROLES:
+            self._demand.note(self._key(), cls, +1)
         bucket = self._free.get(cls)
         if bucket:
             t = bucket.pop()
@@ -240,13 +301,25 @@ class CachingAllocator(BucketAllocator):
         return torch.empty(numel, dtype=dtype, device=device)
 
     def _release(self, key, tensor):
-        cls = (tensor.numel(), tensor.dtype, tensor.device)
-        self._freed_classes.add(cls)
         nbytes = tensor.numel() * tensor.element_size()
         if role_of(key) in EXACT_ROLES or not self.keeps(tensor.device, nbytes):
             return  # back to torch now
+        cls = (tensor.numel(), tensor.dtype, tensor.device)
+        self._demand.note(self._key(), cls, -1)
         self._free[cls].append(tensor)
         self._cached += nbytes
+        self._trim(cls, self._demand.needed(self._key(), self._next_key(), cls))
+
+    def _trim(self, cls: tuple, keep: Optional[int]) -> None:
+        """Give back the cached blocks of ``cls`` beyond ``keep`` (None: keep them all)."""
+        bucket = self._free.get(cls)
+        if keep is None or not bucket:
+            return
+        while len(bucket) > keep:
+            t = bucket.pop()
+            self._cached -= t.numel() * t.element_size()
+        if not bucket:
+            del self._free[cls]
 
     def cached_bytes(self) -> int:
         return self._cached
@@ -258,29 +331,19 @@ class CachingAllocator(BucketAllocator):
         return super().held_tensors() + [t for b in self._free.values() for t in b]
 
     def mark_step(self, tag: Hashable = None) -> None:
-        self._begin("forward")
+        self._demand.end(self._key())
+        self._tag, self._phase = tag, "forward"
 
     def release_idle(self, next_phase: str = "forward") -> None:
         """The running phase ended and ``next_phase`` (``"forward"`` / ``"backward"``) comes next:
-        give back every idle block, except, of each size class glibc maps afresh
-        (:data:`MAP_FRESH_BYTES` and more, on the CPU), the blocks ``next_phase`` will ask for
-        before it frees one of them (counted when it last ran): those would be page-faulted
-        in again at once (~16 ms per 32 MiB on a KVM guest), and they are idle only across the gap."""
-        self._opening[self._phase] = dict(self._counting)
-        keep = self._opening.get(next_phase, {})
-        for cls, bucket in list(self._free.items()):
-            n = keep.get(cls, 0) if cls[0] * cls[1].itemsize >= MAP_FRESH_BYTES else 0
-            while len(bucket) > n:
-                t = bucket.pop()
-                self._cached -= t.numel() * t.element_size()
-            if not bucket:
-                del self._free[cls]
-        self._begin(next_phase)
-
-    def _begin(self, phase: str) -> None:
-        self._phase = phase
-        self._counting = defaultdict(int)
-        self._freed_classes = set()
+        give back every idle block but, of each class, as many as ``next_phase`` asked for before
+        it freed one when it last ran (those would be obtained again at once -- on the CPU, for
+        a block glibc maps afresh, ~16 ms per 32 MiB of page faults on a KVM guest)."""
+        self._demand.end(self._key())
+        self._phase = next_phase
+        hold = self.hold_between_steps or next_phase != "forward"
+        for cls in list(self._free):
+            self._trim(cls, self._demand.opening(self._key(), cls) if hold else 0)
 
     def release_cached(self) -> None:
         """Drop the free blocks (live ones are untouched), e.g. once a pool has replaced them."""

@@ -126,10 +126,13 @@ class TracePoolAllocator(BucketAllocator):
             self._note_divergence(f"phase {next_phase!r} began out of the planned order")
         self._events.append(ev)
         self._phase += 1
+        # the pool asked for next: this step's next phase, or the next step's forward
+        upcoming = 0 if next_phase == "forward" else self._phase
+        hold = getattr(self.fallback, "hold_between_steps", True) or next_phase != "forward"
         for pool in self._pools.values():
             if pool.tensor is None or pool.live:
                 continue
-            if pool.phase == self._phase and self.fallback.keeps(pool.device, pool.nbytes):
+            if hold and pool.phase == upcoming and self.fallback.keeps(pool.device, pool.nbytes):
                 continue
             pool.tensor = None
         self._sync_bytes()
