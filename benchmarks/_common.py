@@ -694,18 +694,6 @@ def mfsdp2_groups(model: nn.Module) -> list:
     return gs
 
 
-def mfsdp2_gathered_storages(model: nn.Module) -> set:
-    """``_cdata`` of every unit's gathered-weight storage: non-owning aliases of allocator blocks
-    while unsharded (memory trackers must count the blocks, not these)."""
-    return {g.weights._storage._cdata for g in mfsdp2_groups(model)}
-
-
-def mfsdp2_allocator_memory(alloc) -> list:
-    """Tensors holding all memory an mfsdp2 allocator keeps: live blocks, cached free blocks, trace
-    pools and what a trace pool's fallback holds (``BucketAllocator.held_tensors``)."""
-    return alloc.held_tensors()
-
-
 def mfsdp2_persistent_bytes(model: nn.Module) -> dict:
     """Bytes of mfsdp2's persistent shards: main weights, model-weight shards (when a separate
     tensor)."""
