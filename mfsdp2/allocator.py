@@ -239,10 +239,10 @@ class _Demand:
             n += 1
         return n
 
-    def needed(self, key: tuple, next_key: tuple, cls: tuple) -> Optional[int]:
+    def needed(self, key: tuple, next_key: Optional[tuple], cls: tuple) -> Optional[int]:
         """Cached blocks of ``cls`` the rest of the running phase and the next phase's opening
-        will take (the highest the live count climbs above today's); None: unknown (first run,
-        or the phase left its last run), keep them all until the phase ends."""
+        (``next_key``; None: none) will take -- the highest the live count climbs above today's;
+        None: unknown (first run, or the phase left its last run), keep them all until it ends."""
         if cls in self.diverged or key not in self.last:
             return None
         rest = self.last[key].get(cls, [])[len(self.cur[cls]):]
@@ -250,7 +250,7 @@ class _Demand:
         for e in rest:
             climb += e
             peak = max(peak, climb)
-        return max(peak, climb + self.opening(next_key, cls))
+        return max(peak, climb + (self.opening(next_key, cls) if next_key is not None else 0))
 
 
 class CachingAllocator(BucketAllocator):
@@ -308,7 +308,8 @@ class CachingAllocator(BucketAllocator):
         self._demand.note(self._key(), cls, -1)
         self._free[cls].append(tensor)
         self._cached += nbytes
-        self._trim(cls, self._demand.needed(self._key(), self._next_key(), cls))
+        into_next = self.hold_between_steps or self._phase != "backward"  # else: none kept past backward
+        self._trim(cls, self._demand.needed(self._key(), self._next_key() if into_next else None, cls))
 
     def _trim(self, cls: tuple, keep: Optional[int]) -> None:
         """Give back the cached blocks of ``cls`` beyond ``keep`` (None: keep them all)."""

@@ -110,16 +110,18 @@ def test_big_cpu_blocks_are_kept_only_while_the_step_will_ask_for_them(monkeypat
                 a.free(("grad", u + 1))
             _req(a, ("grad", u), n)
         a.free(("grad", 0))
+        tail = a.idle_bytes() // 400  # backward's last free: kept for the forward, or not
         a.release_idle("forward")
-        seen.append((after_forward, last_unit, a.idle_bytes() // 400, a.stats.underlying_allocations))
+        seen.append((after_forward, last_unit, a.idle_bytes() // 400, a.stats.underlying_allocations, tail))
     # Step 0 knows nothing (keeps all within phases, gives back all at their ends but the opening
     # it saw); from step 1 on: two blocks kept across each phase end (what the next phase asks for
     # first), none idle in the last unit's backward, one obtained anew per step (the third).
     if hold:
         assert [s[:3] for s in seen] == [(0, 1, 2)] + [(2, 0, 2)] * 4, seen
         assert [b[3] - a_[3] for a_, b in zip(seen, seen[1:])] == [1, 1, 1, 1], seen
-    else:  # the forward obtains its two blocks anew every step
+    else:  # nothing kept past backward, not even in its tail; the forward obtains its two anew
         assert [s[:3] for s in seen] == [(0, 1, 0)] + [(2, 0, 0)] * 4, seen
+        assert [s[4] for s in seen[1:]] == [0] * 4, seen
         assert [b[3] - a_[3] for a_, b in zip(seen, seen[1:])] == [3, 3, 3, 3], seen
 
 
