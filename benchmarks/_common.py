@@ -694,25 +694,6 @@ def mfsdp2_groups(model: nn.Module) -> list:
     return gs
 
 
-def mfsdp2_gathered_storages(model: nn.Module) -> set:
-    """``_cdata`` of every unit's gathered-weight storage: non-owning aliases of allocator blocks
-    while unsharded (memory trackers must count the blocks, not these)."""
-    return {g.weights._storage._cdata for g in mfsdp2_groups(model)}
-
-
-def mfsdp2_allocator_memory(alloc) -> list:
-    """Tensors holding all memory an mfsdp2 allocator keeps: cached free blocks, trace pools, and
-    what a trace pool's fallback caches (live blocks are views of these or new tensors)."""
-    out = []
-    for a in (alloc, getattr(alloc, "fallback", None)):
-        if a is None:
-            continue
-        for bucket in getattr(a, "_free", {}).values():
-            out += list(bucket)
-        out += [p.tensor for p in getattr(a, "_pools", {}).values()]
-    return out
-
-
 def mfsdp2_persistent_bytes(model: nn.Module) -> dict:
     """Bytes of mfsdp2's persistent shards: main weights, model-weight shards (when a separate
     tensor)."""

@@ -26,11 +26,17 @@ alone, fresh model, after one warm-up step) the peak tensor memory per rank and 
   converted back to the buffer they reduce, ``_common.wire_summary``), plus the ring estimate of
   bytes each rank sends.
 * peak tensor memory: the same tool for both frameworks -- torch's ``FSDPMemTracker`` for FSDP2 and
-  its base ``MemTracker`` for mfsdp2 (mfsdp2's shards and allocator caches registered as external
-  tensors) -- over two steady-state steps; everything live counts (shards, gathered weights,
-  gradients, activations, optimizer state). mfsdp2's own accounting (persistent shards + allocator
-  peak) is reported beside it, and ``mfsdp2.estimate_memory``'s prediction of it (``ratio``
+  its base ``MemTracker`` for mfsdp2 (``mfsdp2.memory_bound.StepMemoryTracker``: mfsdp2's shards,
+  main grads and everything its allocator holds registered as external tensors) -- over two
+  steady-state steps; everything live counts (shards, gathered weights, gradients, activations,
+  optimizer state). mfsdp2's own accounting (persistent shards + allocator peak) is reported
+  beside it, and ``mfsdp2.estimate_memory``'s prediction of it (``ratio``
   ``estimate_error``, see ``benchmarks/memory_estimate.py``).
+* the schedule's bound (mfsdp2): the same count at the same moments with the allocator's memory
+  counted only while a buffer uses it (``mfsdp2/memory_bound.py``), measured in the same pass:
+  ``ratio.peak_vs_bound`` = peak / bound (max over ranks), ``ratio.bound_vs_tuned`` = bound / tuned
+  FSDP2's peak; where the bound is above that peak, ``bound_above_tuned_fsdp2`` gives both
+  breakdowns (what the schedule holds there that FSDP2's does not).
 * peak RSS: the kernel's high-water mark (VmHWM), reset before each framework's memory phase.
 
 Cases: ``mlp`` (8 x Linear(1024,4096)-GELU-Linear(4096,1024), global batch 16), ``llama``
@@ -120,36 +126,6 @@ def _rss_phase(framework: str, ref, name: str, config: str, mesh, rank: int, ws:
     return out
 
 
-def _alias_skipping_tracker_cls():
-    from torch.distributed._tools.common_utils import get_untyped_storages
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class AliasSkippingTracker(MemTracker):
-        """MemTracker that ignores mfsdp2's gathered-weight storages: they are non-owning aliases
-        of allocator blocks (counted through the blocks, registered as external tensors), and the
-        tracker would otherwise count each alias at full size for as long as it lives."""
-
-        def __init__(self, skip: set):
-            super().__init__()
-            self._skip = skip
-
-        def _aliased(self, t) -> bool:
-            return any(st._cdata in self._skip for st in get_untyped_storages(t))
-
-        def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
-            return set() if self._aliased(t) else super()._update_and_maybe_create_winfos(t, reftype, update_existing)
-
-        def _track(self, reftype, t):
-            if not self._aliased(t):
-                super()._track(reftype, t)
-
-    return AliasSkippingTracker
-
-
-def _AliasSkippingTracker(skip: set):
-    return _alias_skipping_tracker_cls()(skip)
-
-
 def _tensor_phase(framework: str, ref, name: str, config: str, mesh, rank: int, ws: int, steps: int,
                   first_step: int) -> dict:
     """Peak tensor memory of one framework alone: fresh model, one warm-up step, then ``steps``
@@ -162,17 +138,12 @@ def _tensor_phase(framework: str, ref, name: str, config: str, mesh, rank: int, 
     C.train_step(model, opt, name, x, y)
     out: dict = {}
     if framework == "mfsdp2":
-        alloc = model.allocator
-        alloc.stats.reset_peak()
-        tracker = _AliasSkippingTracker(C.mfsdp2_gathered_storages(model))
-        extra = []  # tensors mfsdp2 holds outside the module's parameters
-        for g in C.mfsdp2_groups(model):
-            extra += [g.main_weight, g.weights.shard]
-            if g.main_grad is not None:
-                extra.append(g.main_grad)
-        extra += C.mfsdp2_allocator_memory(alloc)  # cached blocks / pools: counted in full, always
-        tracker.track_external(model, opt, *extra)
-        tracker.track_external(x, y)
+        from mfsdp2.memory_bound import StepMemoryTracker
+
+        model.allocator.stats.reset_peak()
+        # torch's MemTracker plus the bound: mfsdp2's shards, main grads and everything its
+        # allocator holds are registered; the gathered-weight aliases are counted through blocks.
+        tracker = StepMemoryTracker(model, opt, x, y)
     else:
         tracker = FSDPMemTracker(model, opt)
         tracker.track_inputs((x, y))
@@ -187,6 +158,14 @@ def _tensor_phase(framework: str, ref, name: str, config: str, mesh, rank: int, 
     out["peak_tensor_bytes"] = int(breakdown.get("Total", 0))
     out["peak_tensor_breakdown"] = breakdown
     if framework == "mfsdp2":
+        r = tracker.result()
+        out["bound"] = {
+            "bound_bytes": r.bound_bytes,
+            "breakdown": r.bound_breakdown,
+            "allocator_live_by_role": r.bound_allocator_live_by_role,
+            "allocator_idle_at_bound": r.bound_allocator_idle_bytes,
+            "allocator_idle_at_peak": r.peak_allocator_idle_bytes,
+        }
         pers = C.mfsdp2_persistent_bytes(model)
         st = model.allocator.stats
         cached = model.allocator.cached_bytes() if hasattr(model.allocator, "cached_bytes") else 0
@@ -364,6 +343,10 @@ def _combine(per_rank: list[dict], ws: int) -> dict:
             "final_loss": r0["losses"][fw][-1],
         }
         if fw == "mfsdp2":
+            # The schedule's own bound, measured with the peak (mfsdp2.memory_bound), per rank.
+            d["bound_bytes"] = max(m["bound"]["bound_bytes"] for m in mem)
+            d["peak_vs_bound_per_rank"] = [m["peak_tensor_bytes"] / m["bound"]["bound_bytes"] for m in mem]
+            d["bound_rank0"] = mem[0]["bound"]
             d["peak_tensor_bytes_own_accounting"] = max(m["own_accounting"]["total"] for m in mem)
             d["own_accounting_rank0"] = mem[0]["own_accounting"]
             d["comm_stats_per_step"] = r0["mfsdp2_comm_stats_per_step"]
@@ -392,6 +375,9 @@ def _combine(per_rank: list[dict], ws: int) -> dict:
         "step_time_vs_tuned": ratio(a["step_s_median"], t["step_s_median"]),
         "peak_tensor_memory": ratio(a["peak_tensor_bytes"], b["peak_tensor_bytes"]),
         "peak_tensor_memory_vs_tuned": ratio(a["peak_tensor_bytes"], t["peak_tensor_bytes"]),
+        # measured peak / the schedule's own bound (max over ranks); the bound / tuned FSDP2's peak
+        "peak_vs_bound": max(a["peak_vs_bound_per_rank"]),
+        "bound_vs_tuned": ratio(a["bound_bytes"], t["peak_tensor_bytes"]),
         "peak_rss": ratio(a["peak_rss_bytes"], b["peak_rss_bytes"]),
         "peak_rss_vs_tuned": ratio(a["peak_rss_bytes"], t["peak_rss_bytes"]),
         "wire_bytes": ratio(a["wire_bytes_per_step"], b["wire_bytes_per_step"]),
@@ -408,6 +394,14 @@ def _combine(per_rank: list[dict], ws: int) -> dict:
         # (mfsdp2.estimate_memory's peak - measured peak) / measured peak
         "estimate_error": ratio(a["estimate_peak_bytes"] - a["peak_tensor_bytes"], a["peak_tensor_bytes"]),
     }
+    if case["ratio"]["bound_vs_tuned"] > 1.0:
+        # Why the schedule needs more than tuned FSDP2 held: both breakdowns at their moments
+        # (rank 0; mfsdp2's allocator bytes by role at the bound's moment).
+        case["bound_above_tuned_fsdp2"] = {
+            "mfsdp2_bound": a["bound_rank0"]["breakdown"],
+            "mfsdp2_bound_allocator_live_by_role": a["bound_rank0"]["allocator_live_by_role"],
+            "fsdp2_tuned_peak": t["peak_tensor_breakdown_rank0"],
+        }
     la = r0["losses"]["mfsdp2"]
     case["loss_max_abs_diff"] = max(abs(x - y) for x, y in zip(la, r0["losses"]["fsdp2"]))
     case["loss_max_abs_diff_vs_tuned"] = max(abs(x - y) for x, y in zip(la, r0["losses"]["fsdp2_tuned"]))
@@ -438,7 +432,7 @@ def _print_cases(cases: list[dict]) -> None:
     C.print_table(hdr, rows)
     print()
     hdr = ["case", "compute ms", "comm ms (CPU/wall)", "step / tuned", "step / default", "floor / tuned",
-           "tensor-mem / tuned", "tensor-mem / default", "RSS / tuned", "wire / tuned", "mfsdp2 wire/theory",
+           "tensor-mem / tuned", "tensor-mem / default", "peak / bound", "bound / tuned", "RSS / tuned", "wire / tuned", "mfsdp2 wire/theory",
            "overhead / tuned", "overhead / default", "loss diff (default, tuned)", "other load"]
     rows = []
     for c in cases:
@@ -447,7 +441,8 @@ def _print_cases(cases: list[dict]) -> None:
             f"{c['model']}/{c['config']}", f"{f['compute_s']*1e3:.1f}",
             f"{f['comm_s']*1e3:.1f} ({f['comm_cpu_s_per_rank'] / f['comm_s']:.2f})",
             _f(r["step_time_vs_tuned"]), _f(r["step_time"]), _f(r["floor_over_tuned_fsdp2"]),
-            _f(r["peak_tensor_memory_vs_tuned"]), _f(r["peak_tensor_memory"]), _f(r["peak_rss_vs_tuned"]),
+            _f(r["peak_tensor_memory_vs_tuned"]), _f(r["peak_tensor_memory"]), _f(r["peak_vs_bound"], 4),
+            _f(r["bound_vs_tuned"]), _f(r["peak_rss_vs_tuned"]),
             _f(r["wire_bytes_vs_tuned"], 4), _f(r["mfsdp2_wire_over_theoretical"], 4),
             _f(r["overhead_vs_tuned"]), _f(r["overhead"]),
             f"{c['loss_max_abs_diff']:.1e}, {c['loss_max_abs_diff_vs_tuned']:.1e}",

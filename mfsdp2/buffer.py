@@ -215,32 +215,33 @@ class DataParallelBuffer:
 
     # -- partial reshard (reshard_after_forward=<int>) -------------------------------------------
     # With groups of ``k`` consecutive ranks, rank ``r`` (local index ``l = r % k``) keeps the
-    # ``N/k`` shards ``l, l+k, l+2k, ...``: the ``k`` ranks of its group then hold every shard
-    # between them, and the backward unshard is a gather inside the group (e.g. inside a node).
+    # ``l``-th of ``k`` contiguous pieces of the gathered buffer (shards ``l N/k .. (l+1) N/k - 1``),
+    # as FSDP2 re-shards a parameter over the ``k`` ranks: the ranks of its group then hold every
+    # shard between them, in the group's rank order, so the backward unshard is one gather inside
+    # the group straight into the buffer -- no staging copy of the full size beside it (the unit's
+    # memory in flight is the buffer plus the kept piece, as for an ordinary gather plus 1/k).
     def keep_for_group(self, k: int) -> torch.Tensor:
-        """Copy out this rank's ``N/k`` shards of the gathered buffer, then free the full storage."""
+        """Copy out this rank's piece (``N/k`` shards) of the gathered buffer, then free the full storage."""
         N, S = self.layout.world_size, self.layout.shard_numel
-        kept = self._writer.view(N // k, k, S)[:, self.rank % k].clone()
+        kept = self._writer.view(k, (N // k) * S)[self.rank % k].clone()
         self.free_unsharded()
         return kept
 
     def all_gather_in_group(
         self, kept: torch.Tensor, sub: Communicator, allocator=None, key=None, label: str = ""
     ) -> CommHandle:
-        """Rebuild the full buffer from the group's kept shards (one strided copy after the wait)."""
-        N, S = self.layout.world_size, self.layout.shard_numel
+        """Rebuild the full buffer from the group's kept pieces: the gather's output is the buffer."""
         k = sub.world_size
+        if sub.rank != self.rank % k:
+            raise RuntimeError(
+                f"mfsdp2: {label or 'in-group gather'}: rank {self.rank} of the shard group is rank {sub.rank} of "
+                f"its block of {k}, expected {self.rank % k}: the shard group's ranks must be in increasing order"
+            )
         self.materialize(allocator, key)
-        staging = torch.empty(N * S, dtype=self.dtype, device=self.device)
-
-        def place() -> None:
-            # staging is [local rank l'][m] = shard m*k + l'; the buffer wants shard order.
-            self._writer.view(N // k, k, S).copy_(staging.view(k, N // k, S).transpose(0, 1))
-
-        h = sub.all_gather(staging, kept.reshape(-1), label)
+        h = sub.all_gather(self._writer, kept.reshape(-1), label)
         # ``kept`` is referenced by nothing else once the caller dropped it: without ``keep`` its
         # memory could be reused (on CUDA by the current stream) while the side stream reads it.
-        return CommHandle(inner=h, then=place, keep=(kept, staging), label=label)
+        return CommHandle(inner=h, keep=(kept,), label=label)
 
     def reduce_scatter(
         self, full: torch.Tensor, out: torch.Tensor, op, scratch: Optional[torch.Tensor] = None, label: str = ""

@@ -349,6 +349,8 @@ class GradientReduction:
             return None
         self.main_grad = None
         self.main_grad_full = None
+        if self._grad_views is not None and (self._main_grad_bucket is not None or self._main_grad_alloc is not None):
+            self._grad_views.detach()  # the memory goes back: no cached view may keep it
         if self._main_grad_bucket is not None:
             buckets, bucket = self._main_grad_bucket
             self._main_grad_bucket = None
@@ -553,15 +555,11 @@ class GradientReduction:
         step empty tensors without touching their neighbours (tests/test_empty_grads.py)."""
         if self.main_grad is None:
             return
-        # The main gradient usually comes back from the allocator at the same memory every step:
-        # then last step's gradient DTensors are views of exactly the same rows, and rebuilding
-        # them (a DTensor and its spec per parameter) is most of this function's cost.
+        # Last step's gradient DTensors are reused: re-pointed at this main gradient when the last
+        # one went back to torch (grad_views.GradViews), as they are when it is the same memory.
         mg = self.main_grad
-        key = (mg.untyped_storage()._cdata, mg.data_ptr(), mg.dtype, mg.numel())
-        cache = self._grad_dtensors
-        if cache is None or cache[0] != key:
-            cache = self._grad_dtensors = (key, [None] * len(self.dist_params))
-        made = cache[1]
+        views = self._grad_views
+        views.follow((mg.untyped_storage()._cdata, mg.data_ptr(), mg.dtype, mg.numel()))
         for i, dp in enumerate(self.dist_params):
             if not flags[i]:
                 continue
@@ -571,12 +569,13 @@ class GradientReduction:
             # before adding this reduction, so the sum lives there; leaving the user's tensor in
             # ``.grad`` would hand the optimizer the value from before this backward (torch and
             # FSDP2 accumulate into whatever ``.grad`` holds).
-            if cur is not None and (cur is made[i] or not self._is_foreign_grad(cur, mg, i)):
+            if cur is not None and (cur is views.cached(i) or not self._is_foreign_grad(cur, mg, i)):
                 continue
-            g = made[i]
-            if g is None:
-                g = made[i] = self.grad_view(self.weights.piece_view(mg, i), i, dp.shape)
-            dp.grad = g
+            dp.grad = views.get(
+                i,
+                lambda local, i=i, dp=dp: self.grad_view(local, i, dp.shape),
+                lambda i=i: self.weights.piece_view(mg, i),
+            )
 
     def grad_view(self, local: torch.Tensor, i: int, shape) -> torch.Tensor:
         """Parameter ``i``'s gradient DTensor over ``local`` (its rows of the main gradient),

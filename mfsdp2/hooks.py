@@ -322,6 +322,10 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
             # Eval passes keep nothing gathered; training passes drop mispredicted prefetches.
             if s.shard_state is not ShardState.SHARDED and (not grad or not s.forward_with_grad):
                 reshard(s)
+        if grad:
+            # The loss and the start of backward (the step's activation peak, usually) come next:
+            # blocks the forward freed are theirs until backward asks for weights again.
+            ctx.allocator.release_idle("backward")
     return _cast_output(state, output)
 
 
@@ -519,6 +523,9 @@ def _final_callback(ctx: RootContext) -> None:
                 s.post_backward_done = False
                 s.expect_backward = False
             ctx.schedule.end_backward(keep=pending)
+            # What the step does next (the optimizer step, the next forward's activations) can
+            # use every block no live buffer needs: the allocator holds nothing idle between steps.
+            ctx.allocator.release_idle("forward")
             ctx.step += 1
         finally:
             ctx.callback_queued = False

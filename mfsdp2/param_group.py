@@ -47,6 +47,7 @@ from .buffer import DataParallelBuffer
 from .comm import CommHandle, Communicator
 from .fp8 import Float8Gather
 from .grad_reduction import GradientReduction, _PendingReduce
+from .grad_views import GradViews
 from .layout import BufferLayout, plan_layout
 from .mixed_precision import MixedPrecisionPolicy
 from .offload import MainMemory, copy_from_main
@@ -219,7 +220,7 @@ class ParameterGroup(GradientReduction):
         self.copy_outs = 0  # CPU offload: reductions copied out into the main grad (tests)
         self.dist_params: list[nn.Parameter] = []
         self._row_shards: dict[int, RowShard] = {}  # as_dtensor's placements, built once
-        self._grad_dtensors = None  # (main-grad memory key, gradient DTensors): see expose_grads
+        self._grad_views: Optional[GradViews] = None  # the gradient DTensors (grad_views.py), made with dist_params
         self._dp_storages: Optional[list[int]] = None  # see _check_data_not_assigned
         self._hooks_forwarded_to: dict[int, nn.Parameter] = {}  # see _forward_tensor_hooks
         self.unsharded_params: list[nn.Parameter] = []
@@ -303,6 +304,7 @@ class ParameterGroup(GradientReduction):
             unsharded = tp_dtensor(views[i], spec) if spec is not None else views[i]
             up = nn.Parameter(unsharded, requires_grad=p.requires_grad)
             self.unsharded_params.append(up)
+        self._grad_views = GradViews(len(self.dist_params))
 
     def as_dtensor(self, local: torch.Tensor, index: int, shape) -> torch.Tensor:
         """This rank's rows of parameter ``index`` as the optimizer-facing DTensor (``shape``:
