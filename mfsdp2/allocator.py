@@ -123,6 +123,8 @@ class BucketAllocator:
     def __init__(self) -> None:
         self.stats = AllocatorStats()
         self._live: dict[Hashable, torch.Tensor] = {}
+        # Buffers counted in ``stats`` whose bytes come from elsewhere (see :meth:`account`): key -> bytes.
+        self._accounted: dict[Hashable, int] = {}
         self._leaked: list[torch.Tensor] = []  # referenced for the process's life, never reused
         self._warned: set = set()
 
@@ -140,7 +142,22 @@ class BucketAllocator:
         self.stats._add(key, t.numel() * t.element_size(), +1)
         return t
 
+    def account(self, key: Hashable, nbytes: int) -> None:
+        """Count a live buffer that this allocator does not serve: gathered weights on a torch
+        without storage swapping take their bytes from torch's own allocator (``storage.resize_``,
+        see :mod:`mfsdp2.buffer`), but they are the step's largest transient buffers, so
+        ``stats`` (live and peak bytes, per role) and ``memory_stats()`` must still see them, as
+        they do where this allocator serves them. :meth:`free` / :meth:`leak` end the record; a
+        trace pool never plans them."""
+        if key in self._live or key in self._accounted:
+            raise RuntimeError(f"allocator: buffer {key!r} is already live; free it before allocating it again")
+        self._accounted[key] = nbytes
+        self.stats._add(key, nbytes, +1)
+
     def free(self, key: Hashable) -> None:
+        if key in self._accounted:
+            self.stats._add(key, self._accounted.pop(key), -1)
+            return
         t = self._live.pop(key)
         self.stats._add(key, t.numel() * t.element_size(), -1)
         self._release(key, t)
@@ -150,14 +167,18 @@ class BucketAllocator:
         out, lost a peer) may still write it from the backend's thread, and a block handed out
         again would be corrupted by that late write -- or, on a pool, corrupt its new owner.
         The tensor stays referenced (and a pool slot stays occupied) for the process's life;
-        counted in ``stats.leaked_buffers`` / ``leaked_bytes``, one warning per key."""
-        t = self._live.pop(key)
-        nbytes = t.numel() * t.element_size()
+        counted in ``stats.leaked_buffers`` / ``leaked_bytes``, one warning per key. For a buffer
+        only accounted (:meth:`account`) the owner keeps the bytes; the record ends the same way."""
+        if key in self._accounted:
+            nbytes = self._accounted.pop(key)
+        else:
+            t = self._live.pop(key)
+            nbytes = t.numel() * t.element_size()
+            self._leaked.append(t)
+            self._forget(key, t)
         self.stats._add(key, nbytes, -1)
         self.stats.leaked_buffers += 1
         self.stats.leaked_bytes += nbytes
-        self._leaked.append(t)
-        self._forget(key, t)
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(
@@ -183,7 +204,7 @@ class BucketAllocator:
         (the runtime passes whether grad is enabled and whether gradients sync)."""
 
     def is_live(self, key: Hashable) -> bool:
-        return key in self._live
+        return key in self._live or key in self._accounted
 
     def idle_bytes(self) -> int:
         """Bytes this allocator holds that no live buffer uses (cached free blocks, unused pool

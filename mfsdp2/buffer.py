@@ -20,8 +20,10 @@ Torch without ``_swap_data_ptr_`` (before 2.13; or ``MFSDP2_NO_STORAGE_SWAP=1``,
 ``compat.py``) gets torch FSDP2's approach instead: an unshard is ``storage.resize_(nbytes)`` and a
 reshard ``storage.resize_(0)``, so the bytes come from torch's own allocator (on CUDA its caching
 allocator; on CPU a fresh allocation each time) and the runtime's allocator does not serve gathered
-weights (it still serves gradients and reduce-scatter buffers). ``resize_`` keeps the storage
-object, so the zero-copy views and the views autograd saved in forward stay valid all the same.
+weights (it still serves gradients and reduce-scatter buffers); it still counts them in its
+statistics (``account``), so live/peak bytes and ``memory_stats()`` mean the same on every torch.
+``resize_`` keeps the storage object, so the zero-copy views and the views autograd saved in
+forward stay valid all the same.
 
 Reduce-scatter reads a full-size gradient buffer and writes a *separate* shard-size output: a
 reduce-scatter whose output aliases its input overwrites data it has not yet read.
@@ -152,11 +154,15 @@ class DataParallelBuffer:
     def materialize(self, allocator=None, key=None) -> None:
         """Give the unsharded storage its bytes: a block from ``allocator`` under ``key`` (or a
         plain ``torch.empty`` when there is no allocator yet, e.g. before the root's first forward).
-        Without storage swapping: ``resize_`` from torch's allocator, ``allocator`` unused."""
+        Without storage swapping: ``resize_`` from torch's allocator; ``allocator`` only counts
+        the bytes in its statistics (:meth:`~mfsdp2.allocator.BucketAllocator.account`)."""
         if self.is_unsharded:
             return
         if not self._swap:
             self._storage.resize_(self._nbytes)
+            if allocator is not None:
+                allocator.account(key, self._nbytes)
+            self._alloc, self._key = allocator, key
             return
         n = self.layout.total_numel
         if allocator is not None:
@@ -169,10 +175,10 @@ class DataParallelBuffer:
     def free_unsharded(self) -> None:
         if self.persistent or not self.is_unsharded or self._pinned:
             return
-        if not self._swap:
+        if self._swap:
+            self._point_storage_at(0, 0)
+        else:
             self._storage.resize_(0)
-            return
-        self._point_storage_at(0, 0)
         alloc, key = self._alloc, self._key
         self._block, self._alloc, self._key = None, None, None
         if alloc is not None:
@@ -188,7 +194,12 @@ class DataParallelBuffer:
             return
         if not self._swap or self._block is None:  # bytes owned by the storage itself: keep them
             self._pinned = True
-            logger.warning("mfsdp2: %s: the unsharded storage keeps its %d bytes for good: %s", self._key, self._nbytes, why)
+            alloc, key = self._alloc, self._key
+            self._alloc = self._key = None
+            if alloc is not None:  # accounted bytes (no storage swap): counted as leaked
+                alloc.leak(key, f"the unsharded storage keeps its {self._nbytes} bytes for good: {why}")
+            else:
+                logger.warning("mfsdp2: %s: the unsharded storage keeps its %d bytes for good: %s", key, self._nbytes, why)
             return
         self._point_storage_at(0, 0)
         block, alloc, key = self._block, self._alloc, self._key

@@ -14,6 +14,12 @@ our CUDA test machine has torch 2.11). Two things differ:
   gathered weights then live in blocks from mfsdp2's own allocator (see ``buffer.py``). Without it
   (:data:`HAS_STORAGE_SWAP` false) the buffers fall back to torch FSDP2's ``storage.resize_``.
   ``MFSDP2_NO_STORAGE_SWAP=1`` forces that fallback on any torch (to test it).
+* DTensor's sharding rules: torch 2.11 has none for many element-wise ``_foreach`` ops that 2.13
+  runs (``_foreach_sign_`` of ``Rprop``, ``_foreach_lerp_.ScalarList`` / ``_foreach_rsqrt_`` of
+  ``Adafactor``, ...). :func:`dtensor_has_rule` says whether DTensor can propagate an op on the
+  running torch (a registered strategy or rule, or 2.13's decomposition path);
+  :mod:`mfsdp2.dtensor_ops` runs the element-wise ones it cannot on the local pieces of our
+  parameters.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch.distributed as dist
 
 __all__ = [
     "HAS_STORAGE_SWAP",
+    "dtensor_has_rule",
     "all_gather_single",
     "reduce_scatter_single",
     "all_gather_name",
@@ -66,3 +73,19 @@ def reduce_scatter_single(
     """Reduce ``inp`` over ranks and scatter equal pieces into ``out``; ``dist.reduce_scatter_single``
     where torch has it, else ``dist.reduce_scatter_tensor``."""
     return getattr(dist, reduce_scatter_name())(out, inp, op=op, group=group, async_op=async_op)
+
+
+def dtensor_has_rule(op) -> bool:
+    """Whether DTensor's sharding propagation on this torch can handle ``op`` (an ``OpOverload``):
+    a registered op strategy, single-dim strategy or rule, or a decomposition DTensor propagates
+    through (torch >= 2.13's fallback). False: DTensor raises "does not have a sharding strategy
+    registered" for it."""
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for registry in ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules"):
+        if op in (getattr(prop, registry, None) or ()):
+            return True
+    decomp = getattr(prop, "decomp_strategy", None)
+    has_decomp = getattr(type(decomp), "has_decomp", None) if decomp is not None else None
+    return bool(has_decomp is not None and has_decomp(op))

@@ -52,6 +52,17 @@ naming the argument: nothing is redistributed into a temporary the kernel would 
 ``t[mask] = value`` (``index_put_`` with a boolean mask of ``t``'s shape and rows, and a
 one-element value) runs on the local pieces -- element-wise writes, so each rank's rows are the
 whole write restricted to them. Other ``index_put_`` forms are left to DTensor.
+
+Element-wise ``_foreach`` ops DTensor has no rule for on the running torch
+(:func:`~mfsdp2.compat.dtensor_has_rule`; torch 2.11 lacks ``_foreach_sign_`` of ``Rprop``,
+``_foreach_lerp_.ScalarList`` and ``_foreach_rsqrt_`` of ``Adafactor`` and some 80 more) run on
+the local pieces when our DTensors are among their arguments: each result element depends on the
+same element of each input, so when every DTensor of index i holds the same rows (the first one's:
+mesh, placements and row counts equal; replicated 0-dim tensors broadcast), the local kernel is
+the whole op restricted to this rank's rows, and out-of-place results carry those rows. Anything
+else -- another split, a partial sum, no tensor of ours -- is left to DTensor, which raises.
+Only ops whose single-tensor form is tagged ``pointwise`` qualify; the handler is registered
+for an op only while DTensor lacks a rule for it, so where DTensor has one it decides.
 """
 
 from __future__ import annotations
@@ -63,6 +74,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from . import compat
 from .placement import RowShard, chunk_rows, wrap_local
 
 __all__ = ["install"]
@@ -262,6 +274,71 @@ def _masked_put_handler(op_call, args, kwargs):
     return self
 
 
+class _NotElementwise(Exception):
+    """An argument the local kernel cannot take as it is (see :func:`_foreach_elementwise_handler`)."""
+
+
+def _same_rows(t: DTensor, ref: DTensor) -> bool:
+    return t.device_mesh == ref.device_mesh and t.shape == ref.shape and len(t.placements) == len(ref.placements) and all(
+        a == b and getattr(a, "rows", None) == getattr(b, "rows", None) for a, b in zip(t.placements, ref.placements)
+    )
+
+
+def _foreach_elementwise_handler(op_call, args, kwargs):
+    """An element-wise ``_foreach`` op DTensor has no rule for, on the local pieces (see the module
+    docstring); DTensor's own verdict where it is not ours or the rows differ."""
+    is_list = [isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a) for a in args]
+    lists = [a for a, lst in zip(args, is_list) if lst]
+    if torch.compiler.is_compiling() or not lists or any(isinstance(v, DTensor) for v in kwargs.values()):
+        return _default(op_call, args, kwargs)
+    refs = [next((a[i] for a in lists if i < len(a) and isinstance(a[i], DTensor)), None) for i in range(len(lists[0]))]
+    if not any(_ours(r) for r in refs) or any(r is not None and not _ours(r) for r in refs):
+        return _default(op_call, args, kwargs)
+
+    def local(t, ref):
+        """``t`` as the local kernel takes it at an index whose first DTensor is ``ref`` (None: a
+        lone argument, e.g. ``_foreach_add.Tensor``'s scalar or ``_foreach_addcdiv``'s per-index
+        scalars)."""
+        if isinstance(t, DTensor):
+            if all(pl.is_replicate() for pl in t.placements) and t.dim() == 0:
+                return t._local_tensor  # a replicated scalar broadcasts
+            if ref is not None and _same_rows(t, ref):
+                return t._local_tensor
+            raise _NotElementwise
+        if ref is not None and isinstance(t, torch.Tensor) and t.dim() > 0:
+            raise _NotElementwise  # a plain tensor beside our rows: which rows would it mean?
+        return t
+
+    try:
+        local_args = [
+            [local(t, refs[i] if i < len(refs) else None) for i, t in enumerate(a)] if lst else local(a, None)
+            for a, lst in zip(args, is_list)
+        ]
+    except _NotElementwise:
+        return _default(op_call, args, kwargs)
+    out = op_call(*local_args, **kwargs)
+    if out is None:  # in place: the pieces were updated where they live
+        return None
+    return [wrap_local(o, r.device_mesh, r.placements, r.shape, r.stride()) for o, r in zip(out, refs, strict=True)]
+
+
+def _elementwise_foreach_ops_without_rule() -> list:
+    """The ``_foreach`` overloads (not ``out=``) whose single-tensor op is tagged pointwise and
+    that DTensor cannot propagate on this torch."""
+    names = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::_foreach_")}
+    ops = []
+    for name in sorted(names):
+        single = getattr(_aten, name[len("_foreach_"):].rstrip("_"), None)
+        if single is None or not any(torch.Tag.pointwise in getattr(single, o).tags for o in single.overloads()):
+            continue
+        packet = getattr(_aten, name)
+        for o in packet.overloads():
+            op = getattr(packet, o)
+            if not o.endswith("out") and op not in _HANDLERS and not compat.dtensor_has_rule(op):
+                ops.append(op)
+    return ops
+
+
 def _default(op_call, args, kwargs):
     previous = _previous.get(op_call)
     if previous is not None:
@@ -294,14 +371,16 @@ _HANDLERS = {
 def install() -> None:
     """Register the handlers once per process (idempotent)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op, handler in _HANDLERS.items():
+    todo = dict(_HANDLERS)
+    todo.update((op, _foreach_elementwise_handler) for op in _elementwise_foreach_ops_without_rule())
+    for op, handler in todo.items():
         current = handlers.get(op)
         if current is handler:
             continue
         if current is not None:
             _previous[op] = current
         handlers[op] = handler
-    logger.debug("mfsdp2: DTensor copy_ / infinity-norm / fused-optimizer handlers for RowShard DTensors installed")
+    logger.debug("mfsdp2: DTensor copy_ / infinity-norm / fused-optimizer / foreach handlers for RowShard DTensors installed")
 
 
 install()

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp2 import TracePoolAllocator, fully_shard
+from mfsdp2 import TracePoolAllocator, compat, fully_shard
 from mfsdp2.pool_plan import Interval, PoolPlan, check_plan, max_live, plan_pool
 
 from ._dist import run_ranks
@@ -387,9 +387,10 @@ def test_steady_state_steps_obtain_the_same_memory_every_step(alloc_name):
 def test_transformer_step_trace_plans_within_5_percent_of_lower_bound():
     out = run_ranks(_steady, 2, "trace_pool", "llama")
     for r in out:
-        # 6 layers + root: weights (twice for layers) and one flat gradient per unit, at least (no
-        # receive scratch at world size 2: the received chunk lands in the output)
-        assert r["n_intervals"] >= 6 * 2 + 1 + 7, r
+        # 6 layers + root: weights (twice for layers; not served by the allocator without storage
+        # swapping, see buffer.py) and one flat gradient per unit, at least (no receive scratch at
+        # world size 2: the received chunk lands in the output)
+        assert r["n_intervals"] >= (6 * 2 + 1 if compat.HAS_STORAGE_SWAP else 0) + 7, r
         assert 1.0 <= r["ratio"] <= 1.05, r
         assert len(set(r["per_step"][3:])) == 1, r
 

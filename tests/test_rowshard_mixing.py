@@ -9,8 +9,10 @@ where one side held a single row -- a silent broadcast (``p + replicated_q`` too
 rows of ``q``, too). Every result here is compared, on every rank, with the op on the full tensors
 (float64, exactly: these ops round the same on a piece as on the whole). Where DTensor itself
 refuses an op for a ``torch.chunk``-sharded tensor of that shape (an in-place op needing a
-placement change, e.g. 3 rows over 4 ranks), ours may refuse it with the same error type; nothing
-may give a wrong value."""
+placement change, e.g. 3 rows over 4 ranks), ours may refuse it with the same error type; where
+DTensor runs it on that copy but computes a wrong value (torch 2.11: an in-place ``_foreach`` op
+whose ``self`` needs a placement change updates a temporary), ours must refuse it. Nothing may give
+a wrong value."""
 
 from __future__ import annotations
 
@@ -124,9 +126,14 @@ def _mixed_splits(rank, ws):
                         # DTensor's own verdict for the same op on a torch.chunk-sharded copy of ours.
                         c = distribute_tensor(full[k], mesh, [Shard(0)])
                         cx, cy = (c, b) if order == "ours_first" else (b, c)
-                        _, cerr = _try(lambda: on_dtensor(cx, cy))
+                        cgot, cerr = _try(lambda: on_dtensor(cx, cy))
                         same_refusal = err is not None and cerr is not None and type(cerr) is type(err)
-                        if _agree(same_refusal):
+                        # Where DTensor runs it but computes a wrong value (torch 2.11's in-place
+                        # _foreach ops whose self needs a placement change update a temporary),
+                        # refusing is the right answer for ours.
+                        dtensor_runs = _agree(cerr is None)  # collectives below: every rank agrees first
+                        dtensor_wrong = dtensor_runs and not _agree(_matches(cgot, want)) and _agree(err is not None)
+                        if _agree(same_refusal) or dtensor_wrong:
                             refused.append((k, oname, order, op))
                         else:
                             wrong.append((k, oname, order, op, f"raised {type(err).__name__}: {err}"[:200]))

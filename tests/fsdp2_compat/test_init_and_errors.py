@@ -227,7 +227,30 @@ def errors(shard, mesh):
     rec("max_input_buffers_bool", buffers(True))
     rec("deepcopy", deep)
     rec("hook_stream_hsdp", hook_stream)
+    assert tuple(out) == ERROR_CASES, tuple(out)
     return out
+
+
+ERROR_CASES = (
+    "twice", "module_list", "module_dict", "scalar_parameter", "mesh_3d", "shard_dim_missing", "meta_forward",
+    "prefetch_not_a_unit", "reset_below_root", "max_input_buffers_0", "max_input_buffers_float",
+    "max_input_buffers_bool", "deepcopy", "hook_stream_hsdp",
+)
+# Cases calling an FSDPModule method of torch 2.13 that older FSDP2 lacks (it raises
+# AttributeError there): the method, and the type torch 2.13's FSDP2 raises.
+FSDP2_2_13_METHODS = {
+    "reset_below_root": ("reset_iter_state", "RuntimeError"),
+    "max_input_buffers_0": ("set_reduce_scatter_max_input_buffers", "ValueError"),
+    "max_input_buffers_float": ("set_reduce_scatter_max_input_buffers", "TypeError"),
+    "max_input_buffers_bool": ("set_reduce_scatter_max_input_buffers", "TypeError"),
+}
+
+
+def _fsdp2_lacks(case: str):
+    from torch.distributed.fsdp import FSDPModule
+
+    method = FSDP2_2_13_METHODS.get(case, (None,))[0]
+    return method is not None and not hasattr(FSDPModule, method)
 
 
 def channels_last(rank, ws):
@@ -290,13 +313,27 @@ def test_class_swap_and_slicing_match_fsdp2():
         assert ours == theirs, (ours, theirs)
 
 
-def test_errors_have_fsdp2s_types():
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_errors_have_fsdp2s_types(case):
+    if _fsdp2_lacks(case):
+        pytest.skip(f"this torch's FSDP2 has no FSDPModule.{FSDP2_2_13_METHODS[case][0]} (torch 2.13); "
+                    "mfsdp2's error type: test_errors_of_methods_older_fsdp2_lacks")
     for res in _results():
-        ours, theirs = res[("errors", "mfsdp2")], res[("errors", "fsdp2")]
-        for case, mro in theirs.items():
-            assert mro is not None, f"{case}: FSDP2 accepts it"
-            assert ours[case] is not None, f"{case}: mfsdp2 raised nothing, FSDP2 {mro[0]}"
-            assert mro[0] in ours[case], f"{case}: mfsdp2 raised {ours[case][0]} (bases {ours[case][1:]}), FSDP2 {mro[0]}"
+        ours, mro = res[("errors", "mfsdp2")][case], res[("errors", "fsdp2")][case]
+        assert mro is not None, f"{case}: FSDP2 accepts it"
+        assert ours is not None, f"{case}: mfsdp2 raised nothing, FSDP2 {mro[0]}"
+        assert mro[0] in ours, f"{case}: mfsdp2 raised {ours[0]} (bases {ours[1:]}), FSDP2 {mro[0]}"
+
+
+def test_errors_of_methods_older_fsdp2_lacks():
+    """mfsdp2 raises torch 2.13 FSDP2's error types on any torch (and that table is FSDP2's where
+    the installed FSDP2 has the method)."""
+    for res in _results():
+        for case, (method, etype) in FSDP2_2_13_METHODS.items():
+            ours = res[("errors", "mfsdp2")][case]
+            assert ours is not None and etype in ours, f"{case}: mfsdp2 raised {ours}, torch 2.13's FSDP2 {etype}"
+            if not _fsdp2_lacks(case):
+                assert res[("errors", "fsdp2")][case][0] == etype, (case, res[("errors", "fsdp2")][case])
 
 
 def test_channels_last_parameters_train_like_the_unsharded_model():

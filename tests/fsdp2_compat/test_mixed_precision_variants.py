@@ -157,8 +157,12 @@ def casts(shard, mesh, rank):
     def run(name, build):
         log: dict = {}
         model = build(log)
-        res = model(x)
-        res.float().sum().backward()
+        try:
+            res = model(x)
+            res.float().sum().backward()
+        except RuntimeError as e:  # the outcome, whichever runtime (torch 2.11's FSDP2: "grouped")
+            out[name] = f"{type(e).__name__}: {e}"
+            return
         out[name] = dict(log, out=res.dtype)
 
     def child_fp16(log):
@@ -190,17 +194,32 @@ def casts(shard, mesh, rank):
         shard([m.c1, m.c2], mesh=mesh, mp_policy=bf16)
         return shard(m, mesh=mesh, mp_policy=bf16)
 
-    for name, build in (
-        ("child_fp16", child_fp16),
-        ("child_no_cast", child_no_cast),
-        ("child_output_dtype", child_output_dtype),
-        ("external_cast", external(True)),
-        ("external_no_cast", external(False)),
-        ("grouped", grouped),
-    ):
+    builds = dict(
+        child_fp16=child_fp16,
+        child_no_cast=child_no_cast,
+        child_output_dtype=child_output_dtype,
+        external_cast=external(True),
+        external_no_cast=external(False),
+        grouped=grouped,
+    )
+    assert tuple(builds) == CAST_CASES
+    for name, build in builds.items():
         torch.manual_seed(0)
         run(name, build)
     return out
+
+
+CAST_CASES = ("child_fp16", "child_no_cast", "child_output_dtype", "external_cast", "external_no_cast", "grouped")
+# What FSDP2 does, spelled out (so a change in either runtime shows up as such).
+CAST_FACTS = {
+    "child_fp16": lambda r: r["c2"] == torch.float16,
+    "child_no_cast": lambda r: r["c2"] == torch.float32,
+    "child_output_dtype": lambda r: r["c2"] == torch.float32,
+    "external_cast": lambda r: r["c2.extra"] == torch.float16,
+    "external_no_cast": lambda r: r["c2.extra"] == torch.float32,
+    # torch 2.13's FSDP2 casts a grouped unit's inputs before each of its modules
+    "grouped": lambda r: r == {"root": torch.bfloat16, "c1": torch.bfloat16, "c2": torch.bfloat16, "out": torch.bfloat16},
+}
 
 
 def norms(shard, mesh, rank):
@@ -289,16 +308,29 @@ def test_policy_reduces_in_fsdp2s_dtype_with_fsdp2s_values(policy):
         assert_same_snapshots(ours["final"], theirs["final"], f"{where} after the steps", rel)
 
 
-def test_forward_input_casts_match_fsdp2():
+def _fsdp2_grouped_casts_once(theirs: dict) -> bool:
+    """torch before 2.13: FSDP2's grouped unit runs its pre-forward (the input cast) only before
+    the first of its modules, so the fp32 intermediate reaches the bf16 second module and the
+    matmul raises."""
+    return isinstance(theirs["grouped"], str) and "must have the same dtype" in theirs["grouped"]
+
+
+@pytest.mark.parametrize("case", CAST_CASES)
+def test_forward_input_casts_match_fsdp2(case):
     for res in _results():
-        ours, theirs = res[("casts", "mfsdp2")], res[("casts", "fsdp2")]
-        assert ours == theirs, {k: (ours[k], theirs[k]) for k in theirs if ours.get(k) != theirs[k]}
-        # What FSDP2 does, spelled out (so a change in either runtime shows up as such).
-        assert theirs["child_fp16"]["c2"] == torch.float16 and theirs["child_no_cast"]["c2"] == torch.float32
-        assert theirs["child_output_dtype"]["c2"] == torch.float32
-        assert theirs["external_cast"]["c2.extra"] == torch.float16
-        assert theirs["external_no_cast"]["c2.extra"] == torch.float32
-        assert theirs["grouped"]["out"] == torch.bfloat16
+        ours, theirs = res[("casts", "mfsdp2")][case], res[("casts", "fsdp2")][case]
+        if case == "grouped" and _fsdp2_grouped_casts_once(res[("casts", "fsdp2")]):
+            pytest.skip("this torch's FSDP2 casts a grouped unit's inputs only before its first module "
+                        "(torch 2.13 casts before each; mfsdp2's casts: test_grouped_unit_casts_before_each_module)")
+        assert ours == theirs, (ours, theirs)
+        assert CAST_FACTS[case](theirs), theirs
+
+
+def test_grouped_unit_casts_before_each_module():
+    """mfsdp2 on its own (torch 2.13's FSDP2 behaviour, whatever the installed FSDP2 does)."""
+    for res in _results():
+        ours = res[("casts", "mfsdp2")]["grouped"]
+        assert CAST_FACTS["grouped"](ours), ours
 
 
 def test_norm_layers_under_bf16_behave_like_fsdp2():
