@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import mfsdp2.allocator as A
+import mfsdp2.optim
 from mfsdp2 import TracePoolAllocator, fully_shard
 from mfsdp2.allocator import CachingAllocator
 
@@ -126,7 +127,7 @@ def test_big_cpu_blocks_are_kept_only_while_the_step_will_ask_for_them(monkeypat
 
 
 # -- a training step at world size 2 ---------------------------------------------------------------
-def _release(rank, ws, allocator):
+def _release(rank, ws, allocator, optimizer="torch"):
     torch.manual_seed(0)
     model = _Stack()
     mesh = init_device_mesh("cpu", (ws,))
@@ -134,7 +135,8 @@ def _release(rank, ws, allocator):
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh, allocator=allocator)
     model.set_all_reduce_bucket_cap_mb(0)  # the per-unit reductions (buckets: tests/test_grad_buckets.py)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # mfsdp2's flat AdamW steps the main gradient itself: it must not keep it alive either
+    opt = (torch.optim.AdamW if optimizer == "torch" else mfsdp2.optim.AdamW)(model.parameters(), lr=1e-3)
     alloc = model.allocator if allocator != "trace_pool" else None
     seen = {"idle_in_forward": [], "main_grads_in_forward": [], "idle_after_forward": []}
 
@@ -177,9 +179,9 @@ def _release(rank, ws, allocator):
     return out
 
 
-@pytest.mark.parametrize("allocator", ["caching", "trace_pool"])
-def test_training_step_holds_nothing_idle_where_activations_are_allocated(allocator):
-    for r in run_ranks(_release, 2, allocator):
+@pytest.mark.parametrize("allocator,optimizer", [("caching", "torch"), ("trace_pool", "torch"), ("caching", "mfsdp2")])
+def test_training_step_holds_nothing_idle_where_activations_are_allocated(allocator, optimizer):
+    for r in run_ranks(_release, 2, allocator, optimizer):
         steps = len(r["grad_ids"])
         # Forward and the loss: no main gradient, nothing idle (the blocks are small: malloc's).
         assert r["main_grads_in_forward"] == [0] * steps, r

@@ -181,8 +181,8 @@ class AdamW(torch.optim.AdamW):
         """Whether ``grad`` is the group's view of parameter ``i``'s rows of its main gradient."""
         if not fs.grad_usable():
             return False
-        made = g._grad_dtensors
-        if made is not None and made[1][i] is grad:
+        views = g._grad_views
+        if views is not None and views.cached(i) is grad:
             return True
         return not g._is_foreign_grad(grad, g.main_grad, i)
 
@@ -205,12 +205,13 @@ class AdamW(torch.optim.AdamW):
                 grad = p.grad
                 if grad is None:
                     continue
-                # Fast path: the same parameter rows, gradient view (the group's current one: its
-                # cache is rebuilt when the main gradient moves) and state entries as at the
-                # parameter's last step; identity checks only.
+                # Fast path: the same parameter rows and state entries as at the parameter's last
+                # step, and a gradient that is the group's current view; identity checks only. The
+                # gradient is not kept in the cache: a reference would keep the main gradient's
+                # memory alive past its release and make the group rebuild the view each step.
                 e = fast.get(id(p))
-                if e is not None and e[0] is p and e[2] is grad and p._local_tensor is e[1] and not e[4].retired \
-                        and e[5]._grad_dtensors is not None and e[5]._grad_dtensors[1][e[6]] is grad \
+                if e is not None and e[0] is p and p._local_tensor is e[1] and not e[4].retired \
+                        and e[5]._grad_views is not None and e[5]._grad_views.cached(e[6]) is grad \
                         and e[8] == amsgrad and state.get(p) is e[3] and all(e[3].get(k) is t for k, t in e[7]):
                     fs, i, batch = e[4], e[6], e[9]
                 else:
@@ -229,7 +230,7 @@ class AdamW(torch.optim.AdamW):
                     w = fs.weight
                     batch = w.dtype if native_ok and w.device.type == "cpu" and w.dtype in _NATIVE_DTYPES else None
                     views = fs.views[i]
-                    fast[id(p)] = (p, p._local_tensor, grad, st, fs, g, i,
+                    fast[id(p)] = (p, p._local_tensor, None, st, fs, g, i,
                                    tuple((k, views[k]) for k in fs._keys(amsgrad)), amsgrad, batch)
                 if batch is None or not native_ok:
                     pieces.append((fs, i, p))

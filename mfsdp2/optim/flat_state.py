@@ -59,8 +59,6 @@ class FlatState:
         # (offset in the span, length); an empty piece's offset is never used
         self.pieces = {i: (pc.shard_offset - self.base if pc.numel else 0, pc.numel) for i, pc in pieces.items()}
         self.indices = indices
-        self._grad_key = None  # the span moved: re-slice the main gradient
-        self.grad = None
         w = g.main_weight
         self.weight = w[self.base:self.base + self.span]
         self.exp_avg = torch.zeros(self.span, dtype=w.dtype, device=w.device)
@@ -161,14 +159,13 @@ class FlatState:
 
     # -- the step's inputs -----------------------------------------------------------------------
     def grad_span(self) -> Optional[torch.Tensor]:
-        """The span of the group's current main gradient (sliced once per main gradient)."""
+        """The span of the group's current main gradient, sliced at each call (one view per flat
+        state per step): a slice kept here would keep the main gradient's memory alive after the
+        group gives it back at the next forward."""
         mg = self.group.main_grad
         if mg is None:
             return None
-        if mg is not self._grad_key:
-            self._grad_key = mg
-            self.grad = mg[self.base:self.base + self.span]
-        return self.grad
+        return mg[self.base:self.base + self.span]
 
     def grad_usable(self) -> bool:
         """The group has a main gradient matching the weights (dtype, device)."""
