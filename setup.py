@@ -55,6 +55,7 @@ setup(
         "test": ["pytest", "hypothesis", "pytest-timeout", "safetensors", "transformers",
                  "torchtitan==0.3.0",
                  'triton; platform_system == "Linux" and platform_machine == "x86_64"'],
+        "bench": ["matplotlib"],  # benchmarks/report.py's plots (its tables need nothing)
         "hf": ["safetensors"],  # mfsdp2.checkpoint.hf imports it lazily
         # TE >= 2: te.py relies on its main_grad protocol (lazy main_grad lookup,
         # grad_added_to_main_grad / overwrite_main_grad); [pytorch] pulls the torch bindings.

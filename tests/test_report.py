@@ -1,0 +1,69 @@
+"""docs/benchmarks.md shows what the committed JSON in benchmarks/results/ says: every generated
+block of the page equals what benchmarks/report.py renders from that JSON (tables only; no
+matplotlib), every block report.py knows has its markers, and every plot the page shows exists."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("bench_report", os.path.join(ROOT, "benchmarks", "report.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def report():
+    return _report()
+
+
+@pytest.fixture(scope="module")
+def page(report):
+    with open(report.PAGE) as f:
+        return f.read()
+
+
+def test_page_tables_equal_what_report_generates_from_the_committed_json(report, page):
+    generated = report.render_blocks()
+    on_page = report.page_blocks(page)
+    assert set(on_page) == set(generated), (
+        f"markers on the page {sorted(on_page)} vs blocks report.py renders {sorted(generated)}")
+    stale = [name for name in generated if on_page[name] != generated[name]]
+    assert not stale, f"docs/benchmarks.md is out of date in {stale}: run python benchmarks/report.py"
+
+
+def test_every_source_the_page_uses_is_committed(report):
+    absent = [name for name, _ in report.SOURCES.values()
+              if not os.path.exists(os.path.join(report.RESULTS, name))]
+    assert not absent, f"benchmarks/results/ lacks {absent}"
+
+
+def test_every_plot_on_the_page_exists(report, page):
+    images = re.findall(r"!\[[^\]]*\]\((images/[^)]+)\)", page)
+    assert images, "the page shows no plots"
+    missing = [p for p in images if not os.path.exists(os.path.join(ROOT, "docs", p))]
+    assert not missing, f"plots missing from docs/: {missing} (python benchmarks/report.py writes them)"
+
+
+def test_rewrite_replaces_only_the_blocks_and_refuses_unknown_markers(report):
+    text = "intro\n<!-- report:a -->\nold\n<!-- /report:a -->\nprose\n"
+    assert report.rewrite(text, {"a": "new\n"}) == "intro\n<!-- report:a -->\nnew\n<!-- /report:a -->\nprose\n"
+    with pytest.raises(ValueError, match="does not know"):
+        report.rewrite(text, {})
+    with pytest.raises(ValueError, match="lacks the markers"):
+        report.rewrite(text, {"a": "x\n", "b": "y\n"})
+
+
+def test_a_missing_source_renders_as_the_command_that_records_it(report, monkeypatch, tmp_path):
+    monkeypatch.setattr(report, "RESULTS", str(tmp_path))
+    blocks = report.render_blocks()
+    assert "python benchmarks/compare_fsdp2.py" in blocks["compare_step"]
+    assert "Not recorded" in blocks["compare_step"]
