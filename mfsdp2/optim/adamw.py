@@ -181,8 +181,8 @@ class AdamW(torch.optim.AdamW):
         """Whether ``grad`` is the group's view of parameter ``i``'s rows of its main gradient."""
         if not fs.grad_usable():
             return False
-        made = g._grad_dtensors
-        if made is not None and made[1][i] is grad:
+        views = g._grad_views
+        if views is not None and views.cached(i) is grad:
             return True
         return not g._is_foreign_grad(grad, g.main_grad, i)
 
@@ -210,7 +210,7 @@ class AdamW(torch.optim.AdamW):
                 # parameter's last step; identity checks only.
                 e = fast.get(id(p))
                 if e is not None and e[0] is p and e[2] is grad and p._local_tensor is e[1] and not e[4].retired \
-                        and e[5]._grad_dtensors is not None and e[5]._grad_dtensors[1][e[6]] is grad \
+                        and e[5]._grad_views is not None and e[5]._grad_views.cached(e[6]) is grad \
                         and e[8] == amsgrad and state.get(p) is e[3] and all(e[3].get(k) is t for k, t in e[7]):
                     fs, i, batch = e[4], e[6], e[9]
                 else:
