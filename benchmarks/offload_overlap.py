@@ -67,7 +67,7 @@ def _rank(rank: int, ws: int, name: str, steps: int, warmup: int) -> dict:
             dt = time.perf_counter() - t0
             if step >= warmup:
                 times[v].append(dt)
-            losses[v] = float(loss)
+            losses[v] = float(loss.detach())
     return {"times": times, "losses": losses}
 
 
