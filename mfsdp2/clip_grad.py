@@ -154,6 +154,9 @@ def clip_grad_norm_(
         return (torch.tensor(0.0), {}) if param_norms else torch.tensor(0.0)
     name_of = {id(p): n for n, p in named}
     flat, other = _flat_pieces([p for _, p in named], where)
+    for g in flat:  # an optimizer that stepped with these gradients in backward refuses the clip
+        for listener in g.grad_listeners:
+            listener.before_clip(g)
 
     # 1. Local powers per communicator (one all-reduce each: normally the model's shard group).
     per_comm: dict[object, list] = {}

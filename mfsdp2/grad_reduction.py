@@ -47,6 +47,7 @@ class _PendingReduce:
     stage: str = "rs"  # "rs": the shard-group collective is in flight; "ar": the replicate all-reduce
     bucket: object = None  # a grad_buckets bucket: the reduction is its share of a bucketed all-reduce
     buckets: Optional[GradientBuckets] = None
+    final: bool = True  # issued in the step's last backward (see GradientReduction.reduce_final)
 
 
 class GradientReduction:
@@ -54,6 +55,14 @@ class GradientReduction:
 
     # CPU offload on CUDA: the event after the latest non-blocking copy into the main gradient.
     _copy_out_event = None
+    # Objects told when a reduction is about to start (``before_reduce(group)``, may raise) and
+    # when one has landed in the main gradient (``grad_landed(group, final)``): an optimizer that
+    # steps in backward (mfsdp2.optim.overlap). Set by them, never by the runtime.
+    grad_listeners: tuple = ()
+    # Whether the reduction about to be issued is the step's last for this group: set by the
+    # post-backward hook (the root's is_last_backward, and no other forward pass of the unit
+    # still waiting for its backward); carried by the reduction to its landing.
+    reduce_final = True
 
     # -- gradients ----------------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:
@@ -217,6 +226,8 @@ class GradientReduction:
         buckets), False when the group issued a collective of its own."""
         if not self.requires_grad:
             return False
+        for listener in self.grad_listeners:
+            listener.before_reduce(self)
         self.finish_reduce(allocator)  # one reduction per group in flight
         layout = self.layout
         prescale, op, replicate_op = self._reduce_ops()
@@ -255,7 +266,8 @@ class GradientReduction:
                 n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, op, full.element_size())
                 scratch = allocator.allocate(("rs_recv", key), n_scratch, self.reduce_dtype, self.device) if n_scratch else None
                 handle = self.weights.reduce_scatter(full, out, op, scratch, label)
-        self._pending_reduce = _PendingReduce(handle, direct, out, tuple(has_grad), key, all_reduce, replicate_op)
+        self._pending_reduce = _PendingReduce(handle, direct, out, tuple(has_grad), key, all_reduce, replicate_op,
+                                              final=self.reduce_final)
         return False
 
     def _reduce_into_bucket(self, buckets: GradientBuckets, comm, op, prescale: Optional[float], key, label: str) -> None:
@@ -288,7 +300,7 @@ class GradientReduction:
             comm_stats.reduce_scatters_in_buckets += 1
         self._pending_reduce = _PendingReduce(
             BucketMemberHandle(buckets, bucket), direct, out, tuple(has_grad), key, False, op,
-            stage="ar", bucket=bucket, buckets=buckets,
+            stage="ar", bucket=bucket, buckets=buckets, final=self.reduce_final,
         )
         buckets.packed(bucket)
 
@@ -492,6 +504,8 @@ class GradientReduction:
         self.expose_grads(p.has_grad)
         self.run_post_accumulate_grad_hooks(p.has_grad)
         self.grads_reduced_this_step = True
+        for listener in self.grad_listeners:
+            listener.grad_landed(self, p.final)
         return True
 
     def run_post_accumulate_grad_hooks(self, flags) -> None:

@@ -68,6 +68,9 @@ def unshard_async(state: FSDPState) -> None:
     Stale covers a gather still in flight too: ``unshard(async_op=True)`` issued before
     ``optimizer.step()`` gathered the old shards.
     """
+    for g in state.groups:  # an optimizer stepping in backward refuses a gather of weights it stepped
+        for listener in g.grad_listeners:
+            listener.before_gather(g)
     if state.ctx is None or state.unsettled:
         # unshard() before the first forward (FSDP2 runs its groups' lazy init there), or a
         # conversion of part of the unit since: the parameters must be ready to gather.
@@ -261,6 +264,7 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
         opens = len(state.modules) == 1 or backward_recompute or len(state.forward_to_run) == len(state.modules)
         if opens or state.forward_pass is None:
             state.forward_pass = _ForwardPass(opened=bool(needing))
+            state.open_passes += state.forward_pass.opened
         if needing:
             state.forward_pass.pending += 1
             outs = _PostBackward.apply(state, state.forward_pass, *needing.values())
@@ -408,6 +412,7 @@ class _PostBackward(torch.autograd.Function):
         fp = ctx.fwd_pass
         fp.pending -= 1
         if fp.pending == 0 and fp.opened:
+            ctx.state.open_passes -= 1
             post_backward(ctx.state)
         return (None, None) + grads
 
@@ -422,6 +427,11 @@ def post_backward(state: FSDPState) -> None:
     if state.requires_gradient_sync:
         with trace_range(f"mfsdp2.reduce_grad {state.name}"):
             reducing = [(i, g) for i, g in enumerate(state.groups) if g.requires_grad and g.has_unsharded_grads()]
+            # The step's last reduction of these groups: no later backward of this step (the
+            # root's is_last_backward) and no other forward pass of the unit awaiting its backward.
+            final = ctx.root.is_last_backward and state.open_passes <= 0
+            for _, g in reducing:
+                g.reduce_final = final
             if any(not g.reduces_in_bucket(ctx.buckets) for _, g in reducing):
                 # At most max_reduce_in_flight reduction inputs alive, this unit's included (FSDP2's
                 # set_reduce_scatter_max_input_buffers; default 1): finish older ones first.
@@ -522,6 +532,7 @@ def _final_callback(ctx: RootContext) -> None:
                 s.forward_with_grad = False
                 s.post_backward_done = False
                 s.expect_backward = False
+                s.open_passes = 0
             ctx.schedule.end_backward(keep=pending)
             # What the step does next (the optimizer step, the next forward's activations) can
             # use every block no live buffer needs: the allocator holds nothing idle between steps.
@@ -567,6 +578,7 @@ def reset(ctx: RootContext) -> None:
         s.forward_with_grad = False
         s.post_backward_done = False
         s.expect_backward = False
+        s.open_passes = 0
     ctx.reduce_queue.clear()
     ctx.allreduce_queue.clear()
     ctx.buckets.abort()

@@ -92,6 +92,7 @@ class FSDPState(FSDP2StateNames):
         self.modules: list[nn.Module] = [module]
         self.forward_to_run: set[int] = set()  # ids of the modules whose forward is still to come
         self.forward_pass = None  # hooks._ForwardPass of the latest grad-enabled forward pass
+        self.open_passes = 0  # grad-enabled forward passes of this iteration whose backward is still to run
         self.unshard_in_backward = True  # False: backward needs none of the weights (set_unshard_in_backward)
         # Reduction inputs alive at once, this unit's included (set_reduce_scatter_max_input_buffers).
         self.max_reduce_in_flight = 1

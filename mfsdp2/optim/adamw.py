@@ -42,9 +42,11 @@ from typing import Callable, Optional, Union
 import torch
 from torch.optim.adam import adam as _adam
 
+from ..clip_grad import clip_grad_norm_
 from ..param_group import live_groups
 from .flat_state import FlatState
 from .kernel import NativeStep, _module, native_arithmetic, torch_step
+from .overlap import StepInBackward
 
 __all__ = ["AdamW"]
 
@@ -70,6 +72,8 @@ class AdamW(torch.optim.AdamW):
         capturable: bool = False,
         differentiable: bool = False,
         fused: Optional[bool] = None,
+        step_in_backward: bool = False,
+        max_grad_norm: Optional[float] = None,
     ) -> None:
         if differentiable:
             raise ValueError("mfsdp2.optim.AdamW: differentiable=True is not supported (the flat step is not "
@@ -79,6 +83,11 @@ class AdamW(torch.optim.AdamW):
         # The flat step takes no grad_scale / found_inf: GradScaler unscales and checks for us.
         self._step_supports_amp_scaling = False
         self._init_flat()
+        if max_grad_norm is not None and not (float(max_grad_norm) > 0.0):
+            raise ValueError(f"mfsdp2.optim.AdamW: max_grad_norm must be a positive number, got {max_grad_norm!r}")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.last_grad_norm: Optional[torch.Tensor] = None  # the total norm the last clipped step saw
+        self._overlap = StepInBackward(self) if step_in_backward else None
 
     def _init_flat(self) -> None:
         self._flat: dict[int, FlatState] = {}  # id(ParameterGroup) -> its flat state
@@ -93,6 +102,14 @@ class AdamW(torch.optim.AdamW):
         super().__setstate__(state)
         if not hasattr(self, "_flat"):
             self._init_flat()
+        for k, v in (("max_grad_norm", None), ("last_grad_norm", None), ("_overlap", None)):
+            if not hasattr(self, k):
+                setattr(self, k, v)
+
+    @property
+    def step_in_backward(self) -> bool:
+        """Whether this optimizer steps CPU-offloaded groups in backward (see mfsdp2.optim.overlap)."""
+        return self._overlap is not None
 
     # -- finding a parameter's group -------------------------------------------------------------
     def _rebuild_where(self) -> None:
@@ -190,20 +207,47 @@ class AdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         self._accelerator_graph_capture_health_check()
+        if self._overlap is not None:
+            return self._overlap.step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.max_grad_norm is not None:
+            self._clip()
+        self._step_params(((i, g, g["params"]) for i, g in enumerate(self.param_groups)))
+        return loss
+
+    def _clip(self) -> None:
+        """``max_grad_norm``: ``mfsdp2.clip_grad_norm_`` over this optimizer's parameters, first."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        self.last_grad_norm = clip_grad_norm_(params, self.max_grad_norm)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._overlap is not None:
+            self._overlap.before_zero_grad()
+        super().zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        if self._overlap is not None:
+            self._overlap.settle()  # never read states a step in backward is writing
+        return super().state_dict()
+
+    def _step_params(self, items, skip: Optional[set] = None, flat_only: bool = False) -> list:
+        """Step the parameters of ``items`` (``(param group index, param group, params)``) that
+        have a gradient, except those whose id is in ``skip``. ``flat_only``: only parameters
+        taking the flat step (the others are left for ``step()``). Returns the flat-stepped ones."""
         arithmetic = native_arithmetic()
         batches: dict[torch.dtype, NativeStep] = {}
         state, fast = self.state, self._fast
-        for index, group in enumerate(self.param_groups):
+        stepped = []
+        for index, group, params in items:
             amsgrad = group["amsgrad"]
             native_ok = arithmetic is not None and group["fused"] is not True and not group["capturable"]
             pieces, other, rows = [], [], {}
-            for p in group["params"]:
+            for p in params:
                 grad = p.grad
-                if grad is None:
+                if grad is None or (skip is not None and id(p) in skip):
                     continue
                 # Fast path: the same parameter rows and state entries as at the parameter's last
                 # step, and a gradient that is the group's current view; identity checks only. The
@@ -232,6 +276,7 @@ class AdamW(torch.optim.AdamW):
                     views = fs.views[i]
                     fast[id(p)] = (p, p._local_tensor, None, st, fs, g, i,
                                    tuple((k, views[k]) for k in fs._keys(amsgrad)), amsgrad, batch)
+                stepped.append(p)
                 if batch is None or not native_ok:
                     pieces.append((fs, i, p))
                     continue
@@ -242,13 +287,13 @@ class AdamW(torch.optim.AdamW):
                 if row is None:
                     row = rows[batch] = b.hyper_row(index, group)
                 b.add(fs, i, row)
-            if other:
+            if other and not flat_only:
                 self._torch_step(group, other)
             if pieces:
                 self._pieces_step(group, pieces)
         for batch in batches.values():
             batch.run()
-        return loss
+        return stepped
 
     def _pieces_step(self, group: dict, items: list) -> None:
         """torch's AdamW arithmetic on the plain local tensors of flat pieces: fused on
@@ -291,6 +336,8 @@ class AdamW(torch.optim.AdamW):
         FSDP2 or an unsharded model), then each mfsdp2 parameter's state is copied into the flat
         states and replaced by their views. Collective where a loaded DTensor's rows must be
         gathered (a ``Shard(0)`` state of FSDP2's): call it on every rank."""
+        if self._overlap is not None:
+            self._overlap.before_load()
         super().load_state_dict(state_dict)
         self._fast.clear()
         for group in self.param_groups:
