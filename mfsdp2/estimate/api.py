@@ -3,8 +3,8 @@
 Three parts, each in its own file: the layouts ``fully_shard`` would plan and the exact per-rank
 bytes of the parameter categories (:mod:`.plan`), a fake-tensor forward / backward of the
 unsharded model for activations, autograd's gradients and temporaries (:mod:`.trace`), and the
-runtime's transient buffers replayed on the trace's unit boundaries, with the allocator's kind
-deciding what is held (:mod:`.step`). No process group is created and no parameter memory is
+runtime's transient buffers replayed on the trace's unit boundaries (:mod:`.step`), with the
+runtime's own allocator of the chosen kind deciding what is held (:mod:`.held`). No process group is created and no parameter memory is
 allocated: any world size or HSDP shape can be asked for from one process.
 """
 

@@ -239,6 +239,7 @@ class _Sim:
             self.free(("rs_recv", u, g.index))
             if p["out"]:
                 self.ensure_main_grad(u, g)
+                self.point(f"reduced into main gradient {self.plans[u].name}")  # from rs_out, still alive
                 self.free(("rs_out", u, g.index))
 
     def drain(self, keep: int) -> None:
@@ -338,11 +339,15 @@ class _Sim:
         if bucket["done"]:
             return
         bucket["done"] = True
+        copied = False
         for u, gi, direct in bucket["members"]:
             if not direct:
                 g = self.plans[u].groups[gi]
                 self.ensure_main_grad(u, g)
                 bucket["holders"].discard((u, gi))
+                copied = True
+        if copied:  # the members' main gradients are written from the bucket, still alive
+            self.point("all-reduced bucket")
         self._maybe_free_bucket(bucket)
 
     def _maybe_free_bucket(self, bucket: dict) -> None:
