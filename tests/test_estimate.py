@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import mfsdp2
+from mfsdp2.allocator import CachingAllocator
 from mfsdp2.estimate import MemoryEstimate, estimate_memory
 from mfsdp2.estimate.__main__ import LLAMA3, main as cli_main
 from mfsdp2.examples.llama import LlamaConfig, Transformer, TransformerBlock
@@ -174,8 +175,19 @@ MEDIUM = dict(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_
 TINY = dict(LlamaConfig.tiny().__dict__)
 # (geometry, strategy, bf16) -- tiny's units reduce through the all-reduce buckets (below 256 KiB on
 # gloo), medium's through their own reduce-scatters
-CASES = [(TINY, "optim_grads_params", False), (MEDIUM, "optim_grads_params", False), (MEDIUM, "optim_grads_params", True),
-         (MEDIUM, "optim_grads", False), (MEDIUM, "no_shard", False)]
+# Blocks of 32 MiB and more (a layer's gathered weights, 67 MB): the CPU blocks the caching
+# allocator keeps only while its record of the phase says the step asks for them again.
+BIG = dict(vocab_size=512, dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=4096, max_seq_len=32)
+# (geometry, strategy, bf16, allocator, hold_between_steps) -- tiny's units reduce through the
+# all-reduce buckets (below 256 KiB on gloo), the others through their own reduce-scatters
+CASES = [(TINY, "optim_grads_params", False, "caching", True), (MEDIUM, "optim_grads_params", False, "caching", True),
+         (MEDIUM, "optim_grads_params", True, "caching", True), (MEDIUM, "optim_grads", False, "caching", True),
+         (MEDIUM, "no_shard", False, "caching", True), (TINY, "optim_grads_params", False, "dynamic", True),
+         (MEDIUM, "optim_grads_params", False, "trace_pool", True), (BIG, "optim_grads_params", False, "caching", True),
+         (BIG, "optim_grads_params", False, "caching", False)]
+# steps measured after the warm-up: the estimate reports every step after the first of the three
+# it replays, five for the trace pool (its plan is replayed from the fourth step on)
+MEASURED_STEPS = {"trace_pool": 4}
 BATCH, SEQ = 2, 16
 
 
@@ -189,13 +201,14 @@ def _measure(rank: int, ws: int) -> list[dict]:
 
     mesh = init_device_mesh("cpu", (ws,))
     out = []
-    for geom, strategy, bf16 in CASES:
+    for geom, strategy, bf16, kind, hold in CASES:
         torch.manual_seed(0)
         model = Transformer(LlamaConfig(**geom))
         mp = BF16 if bf16 else mfsdp2.MixedPrecisionPolicy()
         for layer in model.layers:
             mfsdp2.fully_shard(layer, mesh=mesh, mp_policy=mp, sharding_strategy=strategy)
-        mfsdp2.fully_shard(model, mesh=mesh, mp_policy=mp, sharding_strategy=strategy)
+        allocator = CachingAllocator(hold_between_steps=False) if not hold else kind
+        mfsdp2.fully_shard(model, mesh=mesh, mp_policy=mp, sharding_strategy=strategy, allocator=allocator)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(rank)
 
@@ -224,7 +237,7 @@ def _measure(rank: int, ws: int) -> list[dict]:
 
         tracker._update_peak_stats = follow_peak
         with tracker:
-            for _ in range(2):
+            for _ in range(MEASURED_STEPS.get(kind, 2)):
                 x, y = batch()
                 step(x, y)
                 stats = model.memory_stats()  # after backward: every main gradient alive
@@ -265,7 +278,7 @@ def test_estimate_against_measured_breakdown_world_size_2():
     within 10 % of the estimate's (the fake-tensor trace sees the storages ops return, not a
     kernel's internal scratch; measured errors are below 1 %)."""
     measured = run_ranks(_measure, 2, timeout=300)
-    for i, (geom, strategy, bf16) in enumerate(CASES):
+    for i, (geom, strategy, bf16, kind, hold) in enumerate(CASES):
         with torch.device("meta"):
             model = Transformer(LlamaConfig(**geom))
         mp = BF16 if bf16 else mfsdp2.MixedPrecisionPolicy()
@@ -273,10 +286,11 @@ def test_estimate_against_measured_breakdown_world_size_2():
         def loss(out):
             return nn.functional.cross_entropy(out.float().flatten(0, 1), torch.randint(0, 2, (BATCH * SEQ,)))
 
-        case = (geom["dim"], strategy, bf16)
+        case = (geom["dim"], strategy, bf16, kind, hold)
         for r, m in enumerate(r[i] for r in measured):
             e = estimate_memory(model, units=TransformerBlock, mesh_shape=2, mp_policy=mp, sharding_strategy=strategy,
-                                batch_size=BATCH, seq_len=SEQ, loss_fn=loss, rank=r if strategy != "no_shard" else 0)
+                                batch_size=BATCH, seq_len=SEQ, loss_fn=loss, rank=r if strategy != "no_shard" else 0,
+                                allocator=kind, hold_between_steps=hold)
             assert e.sizes["main_weights"] == m["main_weights"], case
             assert e.sizes["model_weights"] == m["model_weights"], case
             assert e.sizes["main_grads"] == m["main_grads"], case

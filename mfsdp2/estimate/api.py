@@ -141,7 +141,7 @@ def estimate_memory(
     elif not 0 <= rank < shard_world:
         raise ValueError(f"mfsdp2.estimate_memory: rank {rank} is outside the shard group of {shard_world}")
     static = per_rank(rank)
-    temps = optimizer_temp_bytes(plans, rank, spec, impl)
+    temps = optimizer_temp_bytes(plans, rank, spec, impl, [id(p) for p in model.parameters()])
     if offload:
         temps_device, temps_host = 0, temps
     else:
