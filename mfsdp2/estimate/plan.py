@@ -37,8 +37,8 @@ class OptimizerSpec:
     ``states``: state tensors the size of the parameter's local rows, in the main dtype;
     ``step_tensor``: a 4-byte ``step`` tensor per parameter (on the host for CUDA parameters
     unless fused / capturable, as torch keeps it); ``temps``: parameter-sized temporaries alive at
-    once inside the step -- per parameter for the single-tensor loop (the largest local piece),
-    over all of a device's parameters for ``foreach`` (torch's ``_foreach_sqrt`` of the second
+    once inside the step -- per parameter for the single-tensor loop (plus the previous
+    parameter's last one, still held by its local variable: :func:`optimizer_temp_bytes`), over all of a device's parameters for ``foreach`` (torch's ``_foreach_sqrt`` of the second
     moments, ...), none for ``fused``."""
 
     states: int
