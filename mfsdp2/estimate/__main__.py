@@ -73,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, help="sequence length (token ids)")
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help="where it will train (default cuda)")
     p.add_argument("--allocator", default="caching", choices=["caching", "trace_pool", "dynamic"])
+    p.add_argument("--no-hold-between-steps", action="store_true",
+                   help="CachingAllocator(hold_between_steps=False): keep no block through the optimizer step")
     p.add_argument("--rank", type=int, help="report this rank (default: the one holding most)")
     p.add_argument("--json", action="store_true", help="print the JSON form")
     return p.parse_args(argv)
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
         model, units=units, mesh_shape=[int(x) for x in a.mesh.split(",")], sharding_strategy=a.strategy,
         mp_policy=mp, offload=a.offload, optimizer=a.optimizer, optimizer_impl=a.optimizer_impl,
         prefetch_depth=a.prefetch, reshard_after_forward=raf, batch_size=a.batch, seq_len=a.seq,
-        device=a.device, allocator=a.allocator, rank=a.rank,
+        device=a.device, allocator=a.allocator, hold_between_steps=not a.no_hold_between_steps, rank=a.rank,
     )
     sys.stdout.write(f"{est.to_json() if a.json else est}\n")
     return 0

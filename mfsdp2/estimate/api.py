@@ -3,8 +3,8 @@
 Three parts, each in its own file: the layouts ``fully_shard`` would plan and the exact per-rank
 bytes of the parameter categories (:mod:`.plan`), a fake-tensor forward / backward of the
 unsharded model for activations, autograd's gradients and temporaries (:mod:`.trace`), and the
-runtime's transient buffers replayed on the trace's unit boundaries, with the allocator's kind
-deciding what is held (:mod:`.step`). No process group is created and no parameter memory is
+runtime's transient buffers replayed on the trace's unit boundaries (:mod:`.step`), with the
+runtime's own allocator of the chosen kind deciding what is held (:mod:`.held`). No process group is created and no parameter memory is
 allocated: any world size or HSDP shape can be asked for from one process.
 """
 
@@ -20,6 +20,7 @@ from ..mixed_precision import MixedPrecisionPolicy
 from ..strategy import ShardingStrategy
 from .plan import OPTIMIZERS, UnitsArg, _itemsize, optimizer_temp_bytes, persistent_bytes, plan_units, resolve_units
 from .report import AT_PEAK_ORDER, MemoryEstimate, _ROLE_CATEGORY
+from .held import ALLOCATORS
 from .step import StepConfig, default_marks, simulate, transient_at_peak
 from .trace import trace_step
 
@@ -66,6 +67,7 @@ def estimate_memory(
     loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
     device: str = "cpu",
     allocator: str = "caching",
+    hold_between_steps: bool = True,
     bucket_cap_mb: float = 25.0,
     rank: Optional[int] = None,
     shard_dims: Optional[Callable[[str, nn.Parameter], int]] = None,
@@ -79,7 +81,8 @@ def estimate_memory(
     ``(replicate, shard)`` for HSDP; no process is started, any size works.
     ``sharding_strategy``, ``mp_policy``, ``reshard_after_forward`` (non-root units; the root's is
     ``root_reshard_after_forward``, False as FSDP2's default), ``prefetch_depth`` and ``allocator``
-    (``"caching"`` default, ``"trace_pool"``, ``"dynamic"``) as given to mfsdp2; ``offload``: as
+    (``"caching"`` default, ``"trace_pool"``, ``"dynamic"``; ``hold_between_steps`` as given to
+    ``CachingAllocator``, the trace pool's fallback too) as given to mfsdp2; ``offload``: as
     ``CPUOffloadPolicy`` (main weights, gradients and optimizer states in host memory).
     ``optimizer``: one of :data:`mfsdp2.estimate.plan.OPTIMIZERS` (``"adamw"``, ``"sgd"``,
     ``"sgd_momentum"``, ...), ``optimizer_impl``: ``"single"``, ``"foreach"``, ``"fused"`` or
@@ -109,6 +112,8 @@ def estimate_memory(
         raise ValueError(f"mfsdp2.estimate_memory: optimizer_impl must be 'auto', 'single', 'foreach' or 'fused', got {optimizer_impl!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"mfsdp2.estimate_memory: device must be 'cpu' or 'cuda', got {device!r}")
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"mfsdp2.estimate_memory: unknown allocator {allocator!r}; use one of {list(ALLOCATORS)}")
     if prefetch_depth < 0:
         raise ValueError(f"mfsdp2.estimate_memory: prefetch_depth must be >= 0, got {prefetch_depth}")
     raf = reshard_after_forward
@@ -136,7 +141,7 @@ def estimate_memory(
     elif not 0 <= rank < shard_world:
         raise ValueError(f"mfsdp2.estimate_memory: rank {rank} is outside the shard group of {shard_world}")
     static = per_rank(rank)
-    temps = optimizer_temp_bytes(plans, rank, spec, impl)
+    temps = optimizer_temp_bytes(plans, rank, spec, impl, [id(p) for p in model.parameters()])
     if offload:
         temps_device, temps_host = 0, temps
     else:
@@ -154,8 +159,11 @@ def estimate_memory(
         notes.append("activations not estimated: pass inputs= or batch_size= (and seq_len=) for a fake-tensor step")
     cfg = StepConfig(strategy, shard_world, replicate, prefetch_depth, raf, root_reshard_after_forward,
                      "nccl" if device == "cuda" else "gloo", offload, int(bucket_cap_mb * 2**20))
-    replay = simulate(plans, marks, cfg, temps_device)
-    transient, point, held = transient_at_peak(replay, allocator)
+    replay = simulate(plans, marks, cfg, temps_device, allocator, device, hold_between_steps)
+    transient, point, held = transient_at_peak(replay)
+    if replay.first_step_peak > transient:
+        notes.append(f"the first step (no prefetch yet, plans being recorded) reaches {replay.first_step_peak:,} B "
+                     "of the allocator and the trace alone, above the later steps")
 
     at_peak = dict.fromkeys(AT_PEAK_ORDER, 0)
     at_peak["model_weights"] = static["model_weights"]
@@ -167,7 +175,7 @@ def estimate_memory(
         at_peak[_ROLE_CATEGORY.get(role, "reduction_buffers")] += nbytes
     at_peak["gathered_weights"] += point.extra
     at_peak["optimizer_temporaries" if point.label == "optimizer step" else "activations"] = point.act
-    at_peak["allocator_slack"] = held - point.live_total
+    at_peak["allocator_slack"] = point.idle
     peak = sum(at_peak.values())
 
     largest = max(plans, key=lambda u: u.gathered_bytes())
@@ -180,6 +188,7 @@ def estimate_memory(
         "largest_unit_gathered": largest.gathered_bytes(),
         "largest_unit_flat_grad": largest.flat_grad_bytes(),
         "allocator_held": held,
+        "allocator_held_at_optimizer_step": next(p.held for p in reversed(replay.points) if p.label == "optimizer step"),
         "activations_peak": max((m.peak for m in marks), default=0),
         "padding_elements": sum(g.layout.padding_numel for u in plans for g in u.groups),
     }
@@ -209,4 +218,5 @@ def estimate_memory(
         "allocator": allocator, "device": device, "offload": offload, "units": len(plans),
         "params": sum(u["params"] for u in unit_rows),
     }
+    config["peak_step"] = point.step
     return MemoryEstimate(peak, at_peak, point.label, sizes, host, unit_rows, config, rank, notes)

@@ -37,8 +37,8 @@ class OptimizerSpec:
     ``states``: state tensors the size of the parameter's local rows, in the main dtype;
     ``step_tensor``: a 4-byte ``step`` tensor per parameter (on the host for CUDA parameters
     unless fused / capturable, as torch keeps it); ``temps``: parameter-sized temporaries alive at
-    once inside the step -- per parameter for the single-tensor loop (the largest local piece),
-    over all of a device's parameters for ``foreach`` (torch's ``_foreach_sqrt`` of the second
+    once inside the step -- per parameter for the single-tensor loop (plus the previous
+    parameter's last one, still held by its local variable: :func:`optimizer_temp_bytes`), over all of a device's parameters for ``foreach`` (torch's ``_foreach_sqrt`` of the second
     moments, ...), none for ``fused``."""
 
     states: int
@@ -244,8 +244,15 @@ def persistent_bytes(plans: Iterable[UnitPlan], strategy: ShardingStrategy, offl
     return out
 
 
-def optimizer_temp_bytes(plans: Iterable[UnitPlan], rank: int, optimizer: OptimizerSpec, impl: str) -> int:
-    """Bytes of the optimizer step's temporaries on ``rank`` (see :class:`OptimizerSpec`)."""
+def optimizer_temp_bytes(plans: Iterable[UnitPlan], rank: int, optimizer: OptimizerSpec, impl: str,
+                         order: Optional[Sequence[int]] = None) -> int:
+    """Bytes of the optimizer step's temporaries on ``rank`` (see :class:`OptimizerSpec`).
+
+    The single-tensor loop keeps its last temporary in a local variable (AdamW's ``denom``) until
+    the next parameter's step assigns it again, after making that parameter's own: the most at
+    once is the previous parameter's piece plus ``temps_single`` of the current one, in the order
+    the optimizer walks them (``order``: parameter ids as ``model.parameters()`` gives them;
+    default: the plans' order)."""
     trainable = [g for u in plans for g in u.groups if g.requires_grad]
     if impl == "fused" or not trainable:
         return 0
@@ -254,4 +261,15 @@ def optimizer_temp_bytes(plans: Iterable[UnitPlan], rank: int, optimizer: Optimi
         for g in trainable:
             by_dtype[g.main_dtype] = by_dtype.get(g.main_dtype, 0) + g.local_numel(rank)
         return optimizer.temps_foreach * max(n * _itemsize(d) for d, n in by_dtype.items())
-    return optimizer.temps_single * max(max(g.local_pieces(rank), default=0) * _itemsize(g.main_dtype) for g in trainable)
+    if optimizer.temps_single == 0:
+        return 0
+    piece: dict[int, int] = {}
+    for g in trainable:
+        for pid, n in zip(g.param_ids, g.local_pieces(rank)):
+            piece[pid] = n * _itemsize(g.main_dtype)
+    walk = [pid for pid in (order if order is not None else piece) if pid in piece]
+    most, prev = 0, 0
+    for pid in walk:
+        most = max(most, prev + optimizer.temps_single * piece[pid])
+        prev = piece[pid]
+    return most

@@ -4,12 +4,14 @@
 ``bwd_begin``, ``bwd_end``, ``final_reduce``, ``backward_end``) and does at each what mfsdp2's
 hooks do to its allocator (see ``hooks.py``, ``grad_reduction.py``, ``grad_buckets.py``):
 
-* **forward**: the root's forward releases the main gradients the last ``zero_grad`` cleared;
-  each unit's pre-forward gathers it (one ``"weight"`` block per ZeRO-3 group, its full buffer in
-  the compute dtype; FP8 groups also a float8 block freed at the wait) and prefetches the next
-  ``prefetch_depth`` units of the recorded order (none in the first step, which records it); the
-  post-forward frees them unless ``reshard_after_forward`` is False (the root's default) or keeps
-  ``N/k`` shards for an int ``k``.
+* **forward**: the root's forward releases the main gradients the last ``zero_grad`` cleared and
+  begins a step (``mark_step``); each unit's pre-forward gathers it (one ``"weight"`` block per
+  ZeRO-3 group, its full buffer in the compute dtype; FP8 groups also a float8 block freed at the
+  wait) and prefetches the next ``prefetch_depth`` units of the recorded order (none in the first
+  step, which records it); the post-forward frees them unless ``reshard_after_forward`` is False
+  (the root's default) or keeps ``N/k`` shards for an int ``k`` (outside the allocator; the
+  backward's gather inside the group writes the buffer itself and drops them at its wait). The
+  root's post-forward ends the allocator's forward phase (``release_idle("backward")``).
 * **backward**: the pre-backward gathers and prefetches in the reversed finishing order; the
   post-backward frees the weights, finishes the previous reduction (one in flight: FSDP2's
   default), allocates the flat gradient (reduce dtype) while autograd's gradients are still
@@ -18,16 +20,15 @@ hooks do to its allocator (see ``hooks.py``, ``grad_reduction.py``, ``grad_bucke
   reduction is a whole all-reduce (no_shard, ZeRO-1's small groups, ZeRO-2/3's below 256 KiB at
   two gloo ranks) pack into buckets instead: one bucket per group in the first backward, then the
   recorded order cut at the bucket cap, at most two in flight.
-* **end of backward**: every reduction finished, every unit resharded; then the optimizer step
-  (its temporaries) with the main gradients alive.
+* **end of backward**: every reduction finished, every unit resharded, the allocator's backward
+  phase ended (``release_idle("forward")``); then the optimizer step (its temporaries) with the
+  main gradients alive.
 
-Three steps are replayed (the first without prefetch or bucket plans, as the runtime runs it),
-and the third, steady one is reported. What the allocator *holds* at each point follows its
-kind: ``"caching"`` keeps, per block size, the most blocks ever live at once (it never gives
-memory back); ``"trace_pool"`` holds one planned pool per dtype, the steady step's peak of that
-dtype; ``"dynamic"`` holds what is live. :func:`transient_at_peak` is the one place that turns a
-replayed step and an allocator kind into the bytes at the peak: an allocator that gives blocks
-back between uses is a new kind there.
+What the allocator *holds* is not modelled here: the requests, frees and phase marks drive the
+runtime's own allocator class of the chosen kind on meta tensors (:mod:`.held`), and each moment
+records its live blocks by role and what it holds idle. The steps after the first are reported
+(:func:`simulate`); :func:`transient_at_peak` picks the moment where the allocator, the memory
+kept outside it and the trace's bytes are largest together.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Optional
 import torch
 
 from ..strategy import ShardingStrategy
+from .held import META, held_bytes, replay_allocator
 from .plan import UnitPlan, _itemsize
 from .trace import Mark
 
@@ -62,39 +64,53 @@ class StepConfig:
 
 @dataclass
 class Point:
-    """One moment of the step: the runtime's live blocks (bytes by role), other memory the
-    runtime holds outside its allocator (``extra``), and the trace's bytes (activations,
-    gradients, temporaries)."""
+    """One moment of the step: the runtime's live blocks (bytes by role), what its allocator
+    holds beyond them (``idle``: cached blocks, unused pool bytes), other memory the runtime holds
+    outside its allocator (``extra``), and the trace's bytes (activations, gradients,
+    temporaries); ``step``: which replayed step (1 is the first)."""
 
     label: str
     live: dict[str, int]
     extra: int
     act: int
+    idle: int = 0
+    step: int = 0
 
     @property
     def live_total(self) -> int:
         return sum(self.live.values())
 
+    @property
+    def held(self) -> int:
+        """What the allocator holds: live blocks and idle bytes."""
+        return self.live_total + self.idle
+
+    @property
+    def total(self) -> int:
+        return self.held + self.extra + self.act
+
 
 @dataclass
 class ReplayedStep:
-    points: list[Point]
-    caching_bytes: int  # what a caching allocator holds after the replayed steps
-    pool_bytes: int  # what a trace pool holds (per dtype, the steady step's peak)
-    peak_live_bytes: int  # the steady step's most live allocator bytes
-    by_class: dict = field(default_factory=dict)
+    points: list[Point]  # every recorded moment, of every step after the first
+    steps: int  # steps replayed
+    allocator: str
+    first_step_peak: int = 0  # the first step's most (what a warm-up step would show)
+    underlying_allocations: list = field(default_factory=list)  # per step: blocks obtained from torch
 
 
 class _Sim:
-    def __init__(self, plans: list[UnitPlan], cfg: StepConfig):
+    def __init__(self, plans: list[UnitPlan], cfg: StepConfig, allocator: str = "caching",
+                 device_type: str = "cpu", hold_between_steps: bool = True):
         self.plans = plans
         self.cfg = cfg
         self.root = len(plans) - 1
-        self.live: dict[tuple, tuple[int, str, tuple]] = {}
-        self.count: dict[tuple, int] = {}
-        self.high: dict[tuple, int] = {}  # caching allocator: most blocks of a size at once
+        # The runtime's own allocator on meta tensors: it decides what is held (held.py).
+        self.alloc_impl = replay_allocator(allocator, device_type, hold_between_steps)
         self.points: list[Point] = []
         self.recording = False
+        self.step = 0
+        self.step_peak = 0
         self.extra = 0
         self.unsharded = [False] * len(plans)
         self.partial = [False] * len(plans)
@@ -111,29 +127,24 @@ class _Sim:
         self.lane_pos: dict[torch.dtype, tuple] = {}
         self.open_bucket: dict[torch.dtype, Optional[dict]] = {}
         self.in_flight: list[dict] = []
-        self.buckets = 0
         self.act = 0
 
     # -- allocator ----------------------------------------------------------------------------
     def alloc(self, key: tuple, numel: int, dtype: torch.dtype) -> None:
-        nbytes = numel * _itemsize(dtype)
-        cls = (numel, dtype)
-        self.live[key] = (nbytes, key[0], cls)
-        self.count[cls] = self.count.get(cls, 0) + 1
-        self.high[cls] = max(self.high.get(cls, 0), self.count[cls])
+        self.alloc_impl.allocate(key, numel, dtype, META)
 
     def free(self, key: tuple) -> None:
-        if key in self.live:
-            _, _, cls = self.live.pop(key)
-            self.count[cls] -= 1
+        if self.alloc_impl.is_live(key):
+            self.alloc_impl.free(key)
 
     def point(self, label: str, act: Optional[int] = None) -> None:
-        if not self.recording:
-            return
-        live: dict[str, int] = {}
-        for nbytes, role, _ in self.live.values():
-            live[role] = live.get(role, 0) + nbytes
-        self.points.append(Point(label, live, self.extra, self.act if act is None else act))
+        live_bytes, idle = held_bytes(self.alloc_impl)
+        live = {r: n for r, n in self.alloc_impl.stats.live_bytes_by_role.items() if n}
+        assert sum(live.values()) == live_bytes
+        p = Point(label, live, self.extra, self.act if act is None else act, idle, self.step)
+        self.step_peak = max(self.step_peak, p.total)
+        if self.recording:
+            self.points.append(p)
 
     # -- weights ------------------------------------------------------------------------------
     def _gathers(self, u: int) -> bool:
@@ -146,8 +157,6 @@ class _Sim:
             self.alloc(("weight", u, g.index), g.total, g.compute_dtype)
             if g.fp8 is not None:
                 self.alloc(("fp8", u, g.index), g.total, g.fp8)
-            if self.partial[u]:  # the in-group gather's full-size staging copy, until the wait
-                self.alloc(("staging", u, g.index), g.total, g.compute_dtype)
         self.unsharded[u] = True
         self.pending_wait.add(u)
 
@@ -156,7 +165,8 @@ class _Sim:
             self.pending_wait.discard(u)
             for g in self.plans[u].groups:
                 self.free(("fp8", u, g.index))
-                self.free(("staging", u, g.index))
+            if self.partial[u]:  # the in-group gather wrote the buffer: the kept piece is dropped
+                self._drop_kept(u)
 
     def reshard(self, u: int, to_group: bool = False) -> None:
         if not self.unsharded[u]:
@@ -229,6 +239,7 @@ class _Sim:
             self.free(("rs_recv", u, g.index))
             if p["out"]:
                 self.ensure_main_grad(u, g)
+                self.point(f"reduced into main gradient {self.plans[u].name}")  # from rs_out, still alive
                 self.free(("rs_out", u, g.index))
 
     def drain(self, keep: int) -> None:
@@ -286,7 +297,7 @@ class _Sim:
         bucket = None
         if expected is not None and expected[:2] == (u, g.index) and self.lane_pos.get(lane) is not None:
             if m == 0:
-                bucket = self._new_bucket(lane, sum(n for *_, n in plan[b]), len(plan[b]))
+                bucket = self._new_bucket(lane, sum(n for *_, n in plan[b]), len(plan[b]), b)
                 self.open_bucket[lane] = bucket
             bucket = self.open_bucket[lane]
             self.lane_pos[lane] = (b, m + 1) if m + 1 < len(plan[b]) else (b + 1, 0)
@@ -308,9 +319,14 @@ class _Sim:
                 self.open_bucket[lane] = None
             self._issue(bucket)
 
-    def _new_bucket(self, lane, numel: int, planned: int) -> dict:
-        self.buckets += 1
-        key = ("grad_bucket", self.buckets)
+    def _new_bucket(self, lane, numel: int, planned: int, index: Optional[int] = None) -> dict:
+        # The runtime's key (grad_buckets.py): lane, plan index ("single" off the plan), and the
+        # lowest number no live block of an earlier step uses -- the same keys every step.
+        base = ("grad_bucket", str(lane), "single" if index is None else index)
+        k = 0
+        while self.alloc_impl.is_live(base + (k,)):
+            k += 1
+        key = base + (k,)
         self.alloc(key, numel, lane)
         return {"key": key, "members": [], "holders": set(), "planned": planned, "done": False}
 
@@ -323,11 +339,15 @@ class _Sim:
         if bucket["done"]:
             return
         bucket["done"] = True
+        copied = False
         for u, gi, direct in bucket["members"]:
             if not direct:
                 g = self.plans[u].groups[gi]
                 self.ensure_main_grad(u, g)
                 bucket["holders"].discard((u, gi))
+                copied = True
+        if copied:  # the members' main gradients are written from the bucket, still alive
+            self.point("all-reduced bucket")
         self._maybe_free_bucket(bucket)
 
     def _maybe_free_bucket(self, bucket: dict) -> None:
@@ -370,7 +390,9 @@ class _Sim:
             name = self.plans[u].name
             if mk.kind == "fwd_begin":
                 if u == self.root and not self.fwd_seen:
+                    # hooks.pre_forward: main gradients back (zero_grad cleared them), then a step begins
                     self.release_main_grads()
+                    self.alloc_impl.mark_step(("train", True))
                 k = len(self.fwd_seen)
                 self.fwd_seen.append(u)
                 follows = self.recorded[:k + 1] == self.fwd_seen
@@ -387,6 +409,8 @@ class _Sim:
                     self.reshard(u, to_group=to_group)
                 if u != self.root:
                     self.bwd_record.append(u)
+                else:  # the root's training forward ended: the loss and backward come next
+                    self.alloc_impl.release_idle("backward")
                 self.point(f"forward end {name}")
             elif mk.kind == "bwd_begin":
                 order = [s for s in reversed(self.bwd_record)]
@@ -410,6 +434,7 @@ class _Sim:
                     self.reshard(s)
                 self.recorded = list(self.fwd_seen)
                 self.bwd_record = []
+                self.alloc_impl.release_idle("forward")  # the final callback's last act
                 self.point("backward end", act=mk.live)
 
 
@@ -428,43 +453,40 @@ def default_marks(n_units: int) -> list[Mark]:
 
 
 def simulate(plans: list[UnitPlan], marks: list[Mark], cfg: StepConfig, optimizer_temps: int = 0,
-             steps: int = 3) -> ReplayedStep:
-    """Replay ``steps`` training steps over ``marks``; the last one's points are kept, ending with
-    the optimizer step (``optimizer_temps`` bytes of temporaries, the main gradients alive)."""
-    sim = _Sim(plans, cfg)
+             allocator: str = "caching", device_type: str = "cpu", hold_between_steps: bool = True,
+             steps: Optional[int] = None) -> ReplayedStep:
+    """Replay ``steps`` training steps over ``marks``, each ending with the optimizer step
+    (``optimizer_temps`` bytes of temporaries, the main gradients alive), with the runtime's own
+    ``allocator`` deciding what is held (:mod:`.held`). Every step after the first is kept: the
+    first runs without prefetch or bucket plans (it records them) and, like any warm-up, also
+    does what the estimate does not model (lazy initialisation); the second may hold more than
+    the later ones while the allocator's records settle (a caching allocator keeps a size class
+    whose requests left last step's pattern until its phase ends; a trace pool diverges from the
+    first step's plan twice before it re-plans). Default steps: 3, and 5 for ``"trace_pool"``
+    (its plan is replayed from the fourth step on)."""
+    if steps is None:
+        steps = 5 if allocator == "trace_pool" else 3
+    sim = _Sim(plans, cfg, allocator, device_type, hold_between_steps)
+    first_peak = 0
+    counts = []
     for s in range(steps):
-        sim.recording = s == steps - 1
+        sim.step = s + 1
+        sim.recording = s > 0
+        sim.step_peak = 0
         sim.run_step(marks)
         sim.act = 0
         sim.point("optimizer step", act=optimizer_temps)
-    peak_live = max((p.live_total for p in sim.points), default=0)
-    caching = sum(n * numel * _itemsize(dtype) for (numel, dtype), n in sim.high.items())
-    # A trace pool plans one pool per (device, dtype) from the recorded step's block lifetimes;
-    # its planner reaches the lower bound, the most bytes live at once, on recorded transformer
-    # steps (docs/design.md, Allocator): the steady step's peak of live blocks.
-    return ReplayedStep(sim.points, caching, peak_live, peak_live, dict(sim.high))
+        counts.append(sim.alloc_impl.stats.underlying_allocations)
+        if s == 0:
+            first_peak = sim.step_peak
+    per_step = [b - a for a, b in zip([0] + counts[:-1], counts)]
+    return ReplayedStep(sim.points, steps, allocator, first_peak, per_step)
 
 
-def transient_at_peak(step: ReplayedStep, allocator: str) -> tuple[int, Point, int]:
-    """``(bytes, point, held)``: the most that the runtime's allocator and the trace's memory take
-    together at one moment of the steady step, the moment, and what the allocator held there.
-
-    ``allocator``: ``"caching"`` (holds ``step.caching_bytes`` throughout), ``"trace_pool"``
-    (``step.pool_bytes``) or ``"dynamic"`` (what is live). Memory the runtime keeps outside its
-    allocator (``Point.extra``: shards kept by ``reshard_after_forward=<int>``) adds to each."""
-    best: Optional[tuple[int, Point, int]] = None
-    for p in step.points:
-        if allocator == "caching":
-            held = max(step.caching_bytes, p.live_total)
-        elif allocator == "trace_pool":
-            held = max(step.pool_bytes, p.live_total)
-        elif allocator == "dynamic":
-            held = p.live_total
-        else:
-            raise ValueError(f"mfsdp2.estimate_memory: unknown allocator {allocator!r}; use 'caching', "
-                             "'trace_pool' or 'dynamic'")
-        total = held + p.extra + p.act
-        if best is None or total > best[0]:
-            best = (total, p, held)
-    assert best is not None
-    return best
+def transient_at_peak(step: ReplayedStep) -> tuple[int, Point, int]:
+    """``(bytes, point, held)``: the most that the runtime's allocator (its live blocks and what
+    it holds idle), the memory it keeps outside its allocator (``Point.extra``: shards kept by
+    ``reshard_after_forward=<int>``) and the trace's memory take together at one moment of the
+    replayed steps after the first, the moment, and what the allocator held there."""
+    best = max(step.points, key=lambda p: p.total)
+    return best.total, best, best.held

@@ -190,6 +190,8 @@ def trace_step(
                 if p.grad is not None:
                     n += p.grad.untyped_storage().nbytes()
                     p.grad = None
+            # The runtime frees them at the mark (packed): the next interval's peak starts without them.
+            tracker.peak = tracker.live
             return n
 
         def bwd_end(i: int) -> None:
