@@ -7,7 +7,7 @@ Conventions (see docs/benchmarks.md):
 
 * Byte counts are the size of each collective's *full* buffer on one rank: the output of an
   all-gather, the input of a reduce-scatter, the tensor of an all-reduce / broadcast. That is the
-  quantity ``mfsdp2.comm.comm_stats`` counts too; what a ring moves per rank is ``(N-1)/N`` of it
+  quantity ``mfsdp2.comm.communicator.comm_stats`` counts too; what a ring moves per rank is ``(N-1)/N`` of it
   (x2 for gloo's reduce-scatter, which gloo runs as an all-reduce).
 * Times are per step, the max over ranks of each rank's wall time for the step (every step starts
   after a barrier), and are summarised by the median and p10/p90 over the timed steps.
@@ -177,7 +177,7 @@ class CollectiveCounter:
     ``torch.distributed.distributed_c10d`` (the deprecated aliases call the ``*_single`` ones through
     the latter's globals; a thread-local depth makes such a nested call count once). torch FSDP2
     (torch 2.13, ``_fsdp_collectives.py``) issues ``dist.all_gather_single``,
-    ``dist.reduce_scatter_single`` and, for HSDP only, ``dist.all_reduce``; mfsdp2's ``comm.py``
+    ``dist.reduce_scatter_single`` and, for HSDP only, ``dist.all_reduce``; mfsdp2's ``comm/communicator.py``
     issues the same two plus ``dist.all_reduce`` (and, on gloo, may build its reduce-scatter from
     ``dist.isend`` / ``dist.irecv``: those count as kind ``p2p`` with the bytes sent, and
     ``p2p_recv`` with 0 bytes). Install before building the models.
@@ -302,7 +302,7 @@ class CommReplay:
     def __init__(self, records: list, world_size: int, counter: Optional[CollectiveCounter] = None,
                  device: str = "cpu"):
         fns = counter.originals if counter is not None else {}
-        # before torch 2.13: all_gather_into_tensor / reduce_scatter_tensor (mfsdp2/compat.py)
+        # before torch 2.13: all_gather_into_tensor / reduce_scatter_tensor (mfsdp2/integrations/compat.py)
         ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
         rs = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
         self._ag = fns.get(ag) or getattr(dist, ag)

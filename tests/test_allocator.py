@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp2 import TracePoolAllocator, compat, fully_shard
-from mfsdp2.pool_plan import Interval, PoolPlan, check_plan, max_live, plan_pool
+from mfsdp2 import TracePoolAllocator, fully_shard
+from mfsdp2.integrations import compat
+from mfsdp2.memory.pool_plan import Interval, PoolPlan, check_plan, max_live, plan_pool
 
 from ._dist import run_ranks
 from .models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, reference_run, reference_step
@@ -302,9 +303,9 @@ def test_parity_per_allocator_with_eval_and_accumulation_between_steps(alloc_nam
 
 def _steady(rank, ws, alloc_name, model_kind, fresh_bytes=None):
     if fresh_bytes is not None:  # which CPU blocks the caching allocator keeps (see its keeps())
-        import mfsdp2.allocator
+        import mfsdp2.memory.allocator
 
-        mfsdp2.allocator.MAP_FRESH_BYTES = fresh_bytes
+        mfsdp2.memory.allocator.MAP_FRESH_BYTES = fresh_bytes
     mesh = init_device_mesh("cpu", (ws,))
     if model_kind == "llama":
         import torch.nn.functional as F

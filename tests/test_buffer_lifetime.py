@@ -21,10 +21,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp2 import MixedPrecisionPolicy, TracePoolAllocator, fully_shard
-from mfsdp2.allocator import CachingAllocator
-from mfsdp2.buffer import DataParallelBuffer
-from mfsdp2.comm import CollectiveError, CommHandle
-from mfsdp2.layout import plan_layout
+from mfsdp2.memory.allocator import CachingAllocator
+from mfsdp2.memory.buffer import DataParallelBuffer
+from mfsdp2.comm.communicator import CollectiveError, CommHandle
+from mfsdp2.memory.layout import plan_layout
 
 from ._dist import run_ranks
 from .models import build
@@ -104,7 +104,7 @@ def test_partial_unshard_keeps_its_input_alive_until_the_gather_is_waited():
 def test_caching_allocator_never_reuses_a_leaked_block(caplog):
     a = CachingAllocator()
     t = a.allocate(("grad", "u", 0), 64, torch.float32, "cpu")
-    with caplog.at_level(logging.WARNING, logger="mfsdp2.allocator"):
+    with caplog.at_level(logging.WARNING, logger="mfsdp2.memory.allocator"):
         a.leak(("grad", "u", 0), "test")
         assert "('grad', 'u', 0)" in caplog.text and "leaked" in caplog.text
     t2 = a.allocate(("grad", "u", 0), 64, torch.float32, "cpu")
@@ -194,7 +194,7 @@ def test_reset_after_a_failed_reduction_leaks_its_buffers_instead_of_freeing_the
 
 
 def _failed_gather(rank, ws, fp8=False, swap=True):
-    from mfsdp2 import compat
+    from mfsdp2.integrations import compat
 
     compat.HAS_STORAGE_SWAP = compat.HAS_STORAGE_SWAP and swap  # False: storage.resize_ (buffer.py)
     mesh = init_device_mesh("cpu", (ws,))

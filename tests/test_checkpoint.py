@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from mfsdp2 import MixedPrecisionPolicy, fully_shard
-from mfsdp2 import state_dict as msd
-from mfsdp2.state_dict import StateDictOptions, tensors_by_path
+from mfsdp2.checkpoint import state_dict as msd
+from mfsdp2.checkpoint.state_dict import StateDictOptions, tensors_by_path
 
 from ._dist import run_ranks
 from .models import F64, REL_F64, Net, assert_close_rel, batch, build, make_opt, sharded_train_step

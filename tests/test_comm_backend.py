@@ -1,5 +1,5 @@
-"""How ``mfsdp2.comm`` decides how to issue a collective, on the CPU: whether the backend that
-serves the device's tensors (``mfsdp2.devices``, tested in tests/test_devices.py) is stream-ordered
+"""How ``mfsdp2.comm.communicator`` decides how to issue a collective, on the CPU: whether the backend that
+serves the device's tensors (``mfsdp2.comm.devices``, tested in tests/test_devices.py) is stream-ordered
 -- NCCL's path (``async_op=False`` inside the side streams, an event after) -- or not (gloo with
 CUDA tensors: ``async_op=True``, the work waited; with ``async_op=False`` the call would block the
 host until the data moved).
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mfsdp2.comm import Communicator, stream_ordered_backend
-from mfsdp2.devices import group_backend
+from mfsdp2.comm.communicator import Communicator, stream_ordered_backend
+from mfsdp2.comm.devices import group_backend
 
 from ._dist import run_ranks
 

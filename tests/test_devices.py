@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mfsdp2 import devices
+from mfsdp2.comm import devices
 
 from ._dist import free_port
 
@@ -77,7 +77,7 @@ def test_fully_shard_default_mesh_on_a_gpu_machine(case, world_of_one, monkeypat
     """``fully_shard`` without a mesh, as on a GPU machine whose default group is ``case``."""
     import sys
 
-    fs = sys.modules["mfsdp2.fully_shard"]  # the module (``mfsdp2.fully_shard`` is the function)
+    fs = sys.modules["mfsdp2.frontend.fully_shard"]  # the module (``mfsdp2.fully_shard`` is the function)
     name, config = GPU_GROUPS[case]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: name)
@@ -92,7 +92,7 @@ def test_fully_shard_default_mesh_on_a_gpu_machine(case, world_of_one, monkeypat
 def test_communicator_reduce_ops_follow_the_cuda_backend(case, world_of_one, monkeypatch):
     """A CUDA communicator over ``case``'s group uses NCCL's PREMUL_SUM and native AVG exactly
     when NCCL serves CUDA there (streams stubbed: there is no GPU here)."""
-    from mfsdp2.comm import Communicator
+    from mfsdp2.comm.communicator import Communicator
 
     name, config = GPU_GROUPS[case]
     monkeypatch.setattr(dist, "get_backend", lambda group=None: name)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-import mfsdp2.diagnostics as diag
+import mfsdp2.runtime.diagnostics as diag
 from mfsdp2 import fully_shard
 
 from ._dist import run_ranks

@@ -4,7 +4,7 @@ torch 2.11's DTensor has no rule for ``_foreach_sign_`` (``torch.optim.Rprop(for
 ``_foreach_lerp_.ScalarList`` and ``_foreach_rsqrt_`` (``Adafactor(foreach=True)``) and some 80
 more element-wise ``_foreach`` ops; torch 2.13 still lacks a few (``_foreach_addcdiv.Scalar``,
 ``_foreach_maximum_.Scalar``, ...). They raised "does not have a sharding strategy registered" on
-mfsdp2 parameters, states and gradients. ``mfsdp2.dtensor_ops`` runs them on the local pieces
+mfsdp2 parameters, states and gradients. ``mfsdp2.dtensors.dtensor_ops`` runs them on the local pieces
 when every DTensor of an index holds the same rows. Every result here is compared, on every rank,
 with the op on the full tensors (float64, exactly: these ops compute each element alone), whether
 or not the running torch has a rule for the op; ops mixing our rows with ``torch.chunk``'s must
@@ -17,8 +17,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from mfsdp2 import compat, fully_shard
-from mfsdp2.placement import chunk_rows
+from mfsdp2 import fully_shard
+from mfsdp2.integrations import compat
+from mfsdp2.dtensors.placement import chunk_rows
 
 from ._dist import run_ranks
 

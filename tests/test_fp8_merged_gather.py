@@ -1,5 +1,5 @@
 """FP8 all-gather of a unit in one collective: its float8 group carries the unit's bf16 group
-(norms, biases) in the same all-gather (``mfsdp2.fp8.gather_riders``).
+(norms, biases) in the same all-gather (``mfsdp2.precision.fp8.gather_riders``).
 
 Checked against the separate per-group gathers (``MFSDP2_FP8_MERGED_GATHER=0``'s path, run in
 the same processes on the same model and data): every gathered weight, every loss and every
@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from mfsdp2 import MixedPrecisionPolicy, comm_stats, fully_shard
-from mfsdp2 import fp8 as fp8_mod
+from mfsdp2.precision import fp8 as fp8_mod
 
 from ._dist import run_ranks
 from .models import Block

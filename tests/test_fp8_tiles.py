@@ -1,4 +1,4 @@
-"""The accelerator's dequantise of a gathered float8 block (:mod:`mfsdp2.fp8_tiles`), run here on
+"""The accelerator's dequantise of a gathered float8 block (:mod:`mfsdp2.precision.fp8_tiles`), run here on
 CPU tensors: bit for bit the per-rank, per-piece reference on every element of a piece, zeros on
 padding, and a number of ops set by the tiles alone -- the same for 2 ranks and 7 pieces as for
 16 ranks and 40 -- not by ranks and pieces. The whole FP8 gather with it (``tiled_on_cpu``) gives
@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mfsdp2 import MixedPrecisionPolicy, fully_shard, native
-from mfsdp2.fp8_tiles import GatheredDequantise
+from mfsdp2 import MixedPrecisionPolicy, fully_shard
+from mfsdp2.precision import native
+from mfsdp2.precision.fp8_tiles import GatheredDequantise
 
 from ._dist import run_ranks
 

@@ -1,6 +1,6 @@
 """Bucketed gradient all-reduce of the full-gradient strategies (no_shard, ZeRO-1) and of the
 sharded-gradient ones (ZeRO-2, ZeRO-3) whose small units' reduce-scatter is a gloo all-reduce
-anyway (see mfsdp2/grad_buckets.py).
+anyway (see mfsdp2/comm/grad_buckets.py).
 
 * Parity in float64 against the unsharded model (REL_F64, see tests/models.py), with buckets that
   span every unit (DDP's 25 MiB), two units, and one group each (a 1-byte cap): training steps,
@@ -23,8 +23,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp2 import fully_shard
-from mfsdp2.grad_buckets import BucketMemberHandle, GradientBuckets, _plan
-from mfsdp2.allocator import CachingAllocator
+from mfsdp2.comm.grad_buckets import BucketMemberHandle, GradientBuckets, _plan
+from mfsdp2.memory.allocator import CachingAllocator
 
 from ._dist import run_ranks
 from .models import F64, REL_F64, Net, assert_close_rel, assert_losses_close, batch, loss_fn, make_opt, reference_run, sharded_train_step
@@ -204,7 +204,7 @@ class _FakeComm:
         self.calls = []
 
     def all_reduce(self, t, op, label=""):
-        from mfsdp2.comm import CommHandle
+        from mfsdp2.comm.communicator import CommHandle
 
         self.calls.append(t.numel())
         return CommHandle(label=label)
@@ -265,7 +265,7 @@ def test_plan_cuts_the_record_by_the_cap(sizes, cap, expect):
 
 # -- a bucket whose all-reduce fails is leaked, never freed (docs/design.md, buffer lifetime) ----
 def _failed_bucket(rank, ws):
-    from mfsdp2.comm import CollectiveError, CommHandle
+    from mfsdp2.comm.communicator import CollectiveError, CommHandle
 
     from .test_buffer_lifetime import HungWork
 
@@ -316,7 +316,7 @@ def test_failed_bucket_is_leaked_not_freed():
 def _bits_run(rank, ws):
     """ZeRO-3 with buckets (default) and without: the trained weights, and how many unit
     reductions went into buckets."""
-    from mfsdp2.comm import comm_stats
+    from mfsdp2.comm.communicator import comm_stats
 
     mesh = init_device_mesh("cpu", (ws,))
     out = {}

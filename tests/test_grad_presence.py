@@ -1,4 +1,4 @@
-"""Gradient presence without a per-step host collective (``mfsdp2.grad_presence``).
+"""Gradient presence without a per-step host collective (``mfsdp2.runtime.grad_presence``).
 
 * Collectives per training step, counted at the ``torch.distributed`` functions (independently
   of mfsdp2's own ``comm_stats``): ZeRO-3 issues exactly torch FSDP2's all-gathers,
@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp2 import compat
+from mfsdp2.integrations import compat
 from mfsdp2 import fully_shard
-from mfsdp2 import grad_presence
-from mfsdp2.grad_presence import GradientPresenceError
+from mfsdp2.runtime import grad_presence
+from mfsdp2.runtime.grad_presence import GradientPresenceError
 
 from ._dist import run_ranks
 from .models import F64, batch, build, loss_fn, make_opt
@@ -139,7 +139,7 @@ def test_zero3_issues_fsdp2s_collectives_and_no_presence_all_reduce(runs):
         for theirs, ours in zip(r["fsdp2"], r["zero3"]):
             assert theirs[ag] > 0 and ours[ag] == theirs[ag], (rank, theirs, ours)
             # On gloo a small unit's reduce-scatter is an all-reduce of its whole flat gradient
-            # (comm.py; this model's units are all small): one collective per unit's reduction,
+            # (comm/communicator.py; this model's units are all small): one collective per unit's reduction,
             # as FSDP2's reduce-scatters, and nothing more.
             assert ours["isend"] == ours["irecv"] == 0, (rank, ours)
             assert ours[rs] + ours[ar] == theirs[rs] + theirs[ar], (rank, theirs, ours)

@@ -1,4 +1,4 @@
-"""Tests for :mod:`mfsdp2.layout` (pure planning, no torch.distributed).
+"""Tests for :mod:`mfsdp2.memory.layout` (pure planning, no torch.distributed).
 
 Every guarantee is checked against quantities recomputed here from the slots (offsets, shapes) and
 the shard size ``S``; :meth:`BufferLayout.piece` / :meth:`BufferLayout.rows_per_rank` are then
@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mfsdp2.layout import BufferLayout, ParamSlot, ShardPiece, plan_layout
+from mfsdp2.memory.layout import BufferLayout, ParamSlot, ShardPiece, plan_layout
 
 
 def _up(x: int, a: int) -> int:

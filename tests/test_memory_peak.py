@@ -17,7 +17,7 @@ that phase's peak of the buffers it serves (the plan reaches the max-live lower 
 during that phase only; the main gradients, which outlive the backward, are not pooled.
 
 The step's peak over *every* tensor against the schedule's own bound (torch's memory tracker,
-:mod:`mfsdp2.memory_bound`) is checked at the end of this file, and the backward's in-group gather
+:mod:`mfsdp2.memory.memory_bound`) is checked at the end of this file, and the backward's in-group gather
 of ``reshard_after_forward=<int>`` (no staging copy) before that.
 On a torch without storage swapping (``compat.HAS_STORAGE_SWAP``) gathered weights take torch's
 memory (``storage.resize_``): the allocator counts them, so the peak is the same, and the pools
@@ -32,11 +32,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mfsdp2 import compat, fully_shard
-from mfsdp2.allocator import CachingAllocator
-from mfsdp2.buffer import DataParallelBuffer
-from mfsdp2.comm import CommHandle
-from mfsdp2.layout import plan_layout
+from mfsdp2 import fully_shard
+from mfsdp2.integrations import compat
+from mfsdp2.memory.allocator import CachingAllocator
+from mfsdp2.memory.buffer import DataParallelBuffer
+from mfsdp2.comm.communicator import CommHandle
+from mfsdp2.memory.layout import plan_layout
 
 from ._dist import run_ranks
 
@@ -187,7 +188,7 @@ class _KeepEverything(CachingAllocator):
 
 
 def _tracked(rank, ws, allocator):
-    from mfsdp2.memory_bound import StepMemoryTracker
+    from mfsdp2.memory.memory_bound import StepMemoryTracker
 
     torch.manual_seed(0)
     model = _Stack()

@@ -1,6 +1,6 @@
 """Memory only backward uses is held only while it is used, and what is free goes back to torch.
 
-Mechanisms (``mfsdp2/allocator.py`` "What is held when", ``mfsdp2/grad_views.py``):
+Mechanisms (``mfsdp2/memory/allocator.py`` "What is held when", ``mfsdp2/memory/grad_views.py``):
 
 * main gradients (and all-reduce buckets whose slices are main gradients) go back to torch when
   released at the next forward -- not into a cache of mfsdp2's, where the forward's activations
@@ -30,9 +30,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-import mfsdp2.allocator as A
+import mfsdp2.memory.allocator as A
 from mfsdp2 import TracePoolAllocator, fully_shard
-from mfsdp2.allocator import CachingAllocator
+from mfsdp2.memory.allocator import CachingAllocator
 
 from ._dist import run_ranks
 

@@ -1,4 +1,4 @@
-"""The native kernels (csrc/, mfsdp2/native.py) against their pure-PyTorch references, bit for bit.
+"""The native kernels (csrc/, mfsdp2/precision/native.py) against their pure-PyTorch references, bit for bit.
 
 The references are the FP8 all-gather's own torch ops (multiply, clamp, torch's float8 cast;
 float8 -> float32 cast, divide, copy into the compute dtype). Compared on random segment tables
@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mfsdp2 import native
+from mfsdp2.precision import native
 
 from ._dist import run_ranks
 
@@ -203,7 +203,7 @@ class _Stub:
 def test_a_module_that_cannot_be_used_falls_back_with_a_warning(fresh_loader, caplog, why, load):
     fresh_loader.setattr(native.importlib, "import_module", load)
     fresh_loader.delenv(native.ENV, raising=False)
-    with caplog.at_level(logging.WARNING, logger="mfsdp2.native"):
+    with caplog.at_level(logging.WARNING, logger="mfsdp2.precision.native"):
         assert not native.available()
         assert not native.available()  # decided once, logged once
     assert len(caplog.records) == 1 and why in caplog.records[0].getMessage()

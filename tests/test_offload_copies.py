@@ -1,4 +1,4 @@
-"""CPU offload's host <-> device copies (``mfsdp2.offload``): non-blocking where one side is CUDA and
+"""CPU offload's host <-> device copies (``mfsdp2.memory.offload``): non-blocking where one side is CUDA and
 the other page-locked, each followed by an event the host waits on before it touches the memory.
 
 On this CPU machine the copies themselves are host copies (never non-blocking: no CUDA), so what
@@ -15,7 +15,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from mfsdp2 import fully_shard, offload
+from mfsdp2 import fully_shard
+from mfsdp2.memory import offload
 
 from ._dist import run_ranks
 from .models import F64, batch, build, loss_fn, make_opt

@@ -9,7 +9,7 @@ back GPU tensors.
 
 How this is reproduced without a GPU: the mesh is labelled ``"cuda"`` (``init_device_mesh("cuda",
 ...)`` over the gloo world group works on a CPU-only torch), and mfsdp2's choice of compute device
-for it (``mfsdp2.devices.mesh_compute_device``) is pointed at the CPU. Everything mfsdp2 allocates
+for it (``mfsdp2.comm.devices.mesh_compute_device``) is pointed at the CPU. Everything mfsdp2 allocates
 then lives on the CPU, exactly as on a GPU machine, while torch's DTensor machinery sees a CUDA mesh:
 any move of a local tensor to the mesh's device type raises "Torch not compiled with CUDA enabled".
 gloo serves CPU tensors, so the collectives DTensor runs for ``full_tensor()`` work where they are.
@@ -51,7 +51,7 @@ def _ptr(t: torch.Tensor) -> int:
 
 def _storage_facts(model) -> list[str]:
     """Every parameter's (and gradient's) local tensor against its group's host main state."""
-    from mfsdp2.state import unit_state
+    from mfsdp2.runtime.state import unit_state
 
     bad = []
     for m in model.modules():
@@ -77,8 +77,9 @@ def _run(rank, ws, case):
     from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import DTensor
 
-    from mfsdp2 import devices, fully_shard
-    from mfsdp2 import state_dict as msd
+    from mfsdp2 import fully_shard
+    from mfsdp2.comm import devices
+    from mfsdp2.checkpoint import state_dict as msd
 
     torch.set_num_threads(1)
     kw = dict(CASES[case])
@@ -128,7 +129,7 @@ def _run(rank, ws, case):
     check_sd("state_dict()", model.state_dict())
     out["full"] = {k: v.full_tensor() for k, v in params.items()}  # DTensor's own gather, over gloo
     if kw.get("sharding_strategy", "no_shard") == "no_shard" or len(shape) == 2:
-        return out  # the mfsdp2.state_dict helpers take 1-D row-sharded layouts only
+        return out  # the mfsdp2.checkpoint.state_dict helpers take 1-D row-sharded layouts only
     check_sd("cpu_offload=True", msd.get_model_state_dict(model, options=StateDictOptions(cpu_offload=True)))
     osd = msd.get_optimizer_state_dict(model, opt, options=StateDictOptions(cpu_offload=True))
     for s in osd["state"].values():
@@ -198,9 +199,9 @@ def test_wrapping_helpers_never_move_the_local_tensor(one_rank_group, monkeypatc
     from torch.distributed.tensor import DTensor, Replicate
 
     from mfsdp2.checkpoint._common import relabel_rows
-    from mfsdp2.dtensor_ops import _stand_in
-    from mfsdp2.placement import RowShard, communicable, data_parallel_dtensor, wrap_local
-    from mfsdp2.tensor_parallel import TPSpec, tp_dtensor
+    from mfsdp2.dtensors.dtensor_ops import _stand_in
+    from mfsdp2.dtensors.placement import RowShard, communicable, data_parallel_dtensor, wrap_local
+    from mfsdp2.integrations.tensor_parallel import TPSpec, tp_dtensor
 
     mesh = DeviceMesh.from_group(one_rank_group, "meta")
     local = torch.arange(6.0).view(3, 2)
@@ -221,7 +222,7 @@ def test_wrapping_helpers_never_move_the_local_tensor(one_rank_group, monkeypatc
     # A group that runs collectives on the CPU (gloo) communicates the host tensor where it is;
     # one without a CPU backend (NCCL alone) gets it moved to the mesh's device first.
     assert communicable(like) is like
-    monkeypatch.setattr("mfsdp2.placement.group_backend", lambda group, device_type: None)
+    monkeypatch.setattr("mfsdp2.dtensors.placement.group_backend", lambda group, device_type: None)
     monkeypatch.setattr(DTensor, "to", lambda self, *args, **kwargs: ("moved to", args))
     assert communicable(like) == ("moved to", ("meta",))
 

@@ -30,7 +30,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 
-from mfsdp2 import RowShard, fully_shard, native
+from mfsdp2 import RowShard, fully_shard
+from mfsdp2.precision import native
 from mfsdp2.optim import AdamW
 
 from ._dist import run_ranks

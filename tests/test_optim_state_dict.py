@@ -2,7 +2,7 @@
 
 * ``load_state_dict`` of a ``torch.save``d state (ours -> torch, torch -> ours), then training on: the
   same weights and states, bit for bit, as the run that was never interrupted;
-* DCP through ``mfsdp2.state_dict`` (ours -> torch, torch -> ours) and torch's DSD (the same
+* DCP through ``mfsdp2.checkpoint.state_dict`` (ours -> torch, torch -> ours) and torch's DSD (the same
   sharded and full state dicts as torch AdamW's; a fresh optimizer initialised by DSD);
 * a torch AdamW state of the unsharded model (plain full tensors) loaded into ours, and our
   checkpoint loaded by an unsharded model through torch's DSD;
@@ -24,9 +24,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from mfsdp2 import fully_shard
-from mfsdp2 import state_dict as msd
+from mfsdp2.checkpoint import state_dict as msd
 from mfsdp2.optim import AdamW
-from mfsdp2.state_dict import StateDictOptions, tensors_by_path
+from mfsdp2.checkpoint.state_dict import StateDictOptions, tensors_by_path
 
 from ._dist import run_ranks
 from .models import batch, build, loss_fn, sharded_train_step
@@ -110,7 +110,7 @@ def _interop(rank, ws, path):
         _train(b, ob, 3, 2, rank)
         _same(_full(b, ob), want, f"load_state_dict ours={src_ours}, trained on")
 
-    for src_ours in (True, False):  # DCP through mfsdp2.state_dict, both ways
+    for src_ours in (True, False):  # DCP through mfsdp2.checkpoint.state_dict, both ways
         a = _model()
         oa = _opt(a, src_ours)
         _train(a, oa, 0, 3, rank)

@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 
-from mfsdp2 import profiling
+from mfsdp2.runtime import profiling
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -106,7 +106,7 @@ def _derived_ops(rank, ws, plain_first):
             wrong.append(("mfsdp2", "all", "cat of every flat parameter", "wrong value"))
         # Splitting a flat view into rows of another width: exact where every rank's block is whole
         # rows of the result, refused naming the counts where a block would start inside a row.
-        from mfsdp2.placement import row_sharded_dtensor
+        from mfsdp2.dtensors.placement import row_sharded_dtensor
 
         t = torch.arange(6.0, dtype=torch.float64).view(3, 2)
         d = row_sharded_dtensor(t[:2] if rank == 0 else t[2:], mesh, (2, 1), (3, 2))
@@ -137,7 +137,7 @@ def test_derived_dtensors_keep_their_rows(plain_first):
 
 
 def _spec_equality(rank, ws):
-    from mfsdp2.placement import RowShard, row_sharded_dtensor
+    from mfsdp2.dtensors.placement import RowShard, row_sharded_dtensor
 
     mesh = init_device_mesh("cpu", (ws,))
     local = torch.zeros(2 if rank == 0 else 1, 3)

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from mfsdp2 import fully_shard
-from mfsdp2.placement import chunk_rows
+from mfsdp2.dtensors.placement import chunk_rows
 
 from ._dist import run_ranks
 

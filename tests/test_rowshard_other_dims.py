@@ -1,7 +1,7 @@
-"""Row splits along dims other than 0 in DTensor ops (mfsdp2.row_propagation, mfsdp2.dtensor_ops).
+"""Row splits along dims other than 0 in DTensor ops (mfsdp2.dtensors.row_propagation, mfsdp2.dtensors.dtensor_ops).
 
 Our parameters' rows are slices along dim 0 -- or along ``d`` for a parameter
-``shard_placement_fn`` shards there (``RowShard(d)``, mfsdp2.shard_dim). Results and mixes must
+``shard_placement_fn`` shards there (``RowShard(d)``, mfsdp2.dtensors.shard_dim). Results and mixes must
 keep the true rows whatever the dim:
 
 * a transpose of a dim-0 parameter is split along its dim 1: labelled ``RowShard(1)`` with our

@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from mfsdp2 import MixedPrecisionPolicy, fully_shard
-from mfsdp2.profiling import event_log
+from mfsdp2.runtime.profiling import event_log
 
 from ._dist import run_ranks
 from ._slow_collectives import SlowCollectives
@@ -293,7 +293,7 @@ def _gloo_cuda_does_not_block(rank: int, ws: int) -> tuple[float, float]:
     stream sleeps ~0.2 s first, and that sleep's length (measured)."""
     import torch.distributed as dist
 
-    from mfsdp2.comm import Communicator
+    from mfsdp2.comm.communicator import Communicator
 
     dev = torch.device("cuda", 0)
     comm = Communicator(dist.group.WORLD, dev)
@@ -316,7 +316,7 @@ def _gloo_cuda_does_not_block(rank: int, ws: int) -> tuple[float, float]:
 
 
 def _no_wait(rank: int, ws: int, device: str) -> dict:
-    from mfsdp2.comm import CommHandle, Communicator
+    from mfsdp2.comm.communicator import CommHandle, Communicator
 
     _setup(device)
     real = Communicator.all_gather

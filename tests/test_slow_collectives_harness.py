@@ -202,7 +202,7 @@ def test_the_counters_prove_the_delay_mattered(runs):
 
 
 def test_the_stream_ordered_persona_is_installed_and_removed():
-    import mfsdp2.comm as comm
+    import mfsdp2.comm.communicator as comm
 
     real = comm.stream_ordered_backend
     assert not real("gloo", "cuda")

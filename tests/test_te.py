@@ -157,7 +157,7 @@ def test_te_protocol_gradients_reach_the_optimizer_exactly_once(fuse, strategy, 
 
 
 def _real_te_available() -> bool:
-    from mfsdp2.te import transformer_engine
+    from mfsdp2.precision.te import transformer_engine
 
     return torch.cuda.is_available() and transformer_engine() is not None
 

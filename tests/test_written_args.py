@@ -143,7 +143,7 @@ def _written_mismatch(rank, ws):
 @pytest.mark.slow
 def test_a_written_argument_with_other_rows_is_refused_not_copied():
     for outcomes, rows in run_ranks(_written_mismatch, 2):
-        from mfsdp2.placement import chunk_rows
+        from mfsdp2.dtensors.placement import chunk_rows
 
         assert tuple(rows) != chunk_rows(sum(rows), 2), rows  # the case needs differing splits
         msg = outcomes["fused_adamw_"]

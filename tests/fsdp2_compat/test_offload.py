@@ -1,5 +1,5 @@
 """CPU offload (FSDP2's ``CPUOffloadPolicy``): main weights, gradients and optimizer states in
-host memory, the optimizer step on the CPU (mfsdp2/offload.py).
+host memory, the optimizer step on the CPU (mfsdp2/memory/offload.py).
 
 On a CPU mesh mfsdp2 runs the offload code path anyway -- main and model storage distinct, no
 reduce-scatter into the main gradient, copy-out after each reduction, norms summed over the host
@@ -155,7 +155,7 @@ def _accumulate_vs_fsdp2(rank, ws, mesh):
 
 def _bucketed_accumulation(rank, ws, mesh):
     """no_shard / ZeRO-1 with offload, two synced backwards per step: both reductions go
-    through the shared all-reduce buckets (mfsdp2/grad_buckets.py), the first copied out of its
+    through the shared all-reduce buckets (mfsdp2/comm/grad_buckets.py), the first copied out of its
     bucket slice into the host main grad, the second added to it."""
     out = {}
     for strategy in ("optim", "no_shard"):
@@ -522,7 +522,7 @@ def test_policy_puts_main_state_in_host_memory_whatever_the_compute_device():
     CUDA exists; no offload for ``OffloadPolicy()``; a wrong type named with the unit."""
     from torch.distributed.fsdp import OffloadPolicy
 
-    from mfsdp2.offload import main_memory_for
+    from mfsdp2.memory.offload import main_memory_for
 
     cpu = torch.device("cpu")
     for compute in (cpu, torch.device("cuda", 0)):
