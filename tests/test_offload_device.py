@@ -231,7 +231,7 @@ def test_no_dtensor_from_local_outside_wrap_local():
     """Every DTensor mfsdp2 builds around a local tensor goes through ``placement.wrap_local``:
     ``DTensor.from_local`` / ``distribute_tensor`` move the local tensor to the mesh's device, the
     bug above. (torch's own ``distribute_tensor`` on the user's full tensors is wrapped, not
-    reimplemented, in row_propagation.py, and keeps torch's semantics.)"""
+    reimplemented, in row_splits.py, and keeps torch's semantics.)"""
     root = pathlib.Path(__file__).resolve().parents[1] / "mfsdp2"
     found = set()
     for path in sorted(root.rglob("*.py")):

@@ -22,7 +22,7 @@ a ``RowShard`` DTensor are relabelled ``RowShard`` (:mod:`mfsdp2.dtensors.row_pr
 counts, and a same-shape FSDP2 / ``distribute_tensor`` DTensor in the same process is unaffected.
 
 ``redistribute`` to a plain ``Shard(0)`` (or from one to a ``RowShard``) moves the rows the two
-splits place differently, through ``Replicate`` (:mod:`mfsdp2.dtensors.row_propagation`): the result holds
+splits place differently, through ``Replicate`` (:mod:`mfsdp2.dtensors.row_splits`): the result holds
 ``torch.chunk``'s rows and says ``Shard(0)``.
 """
 
