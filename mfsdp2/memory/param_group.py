@@ -50,13 +50,15 @@ from ..comm.grad_reduction import GradientReduction, _PendingReduce
 from .grad_views import GradViews
 from .layout import BufferLayout, plan_layout
 from ..precision.mixed_precision import MixedPrecisionPolicy
-from .offload import MainMemory, copy_from_main
-from ..dtensors.placement import RowShard, data_parallel_dtensor, wrap_local
+from .offload import MainMemory
+from .param_registration import ParameterRegistration
+from ..dtensors.placement import RowShard
 from ..dtensors.shard_dim import rows_along
 from ..frontend.strategy import ShardingStrategy
-from .weight_watch import fingerprint, watch
+from .weight_changes import WeightChanges
+from .weight_watch import watch
 from ..precision.te import fuses_wgrad  # TE's attribute protocol; TE itself is never imported
-from ..integrations.tensor_parallel import TPSpec, tp_dp_mesh, tp_dtensor
+from ..integrations.tensor_parallel import TPSpec, tp_dtensor
 
 __all__ = ["ParamInfo", "GroupConfig", "ParameterGroup", "swap_param"]
 
@@ -92,27 +94,6 @@ def live_groups() -> list["ParameterGroup"]:
     return list(_LIVE)
 
 
-class _HookForwarder:
-    """An unsharded parameter's gradient hook running its DTensor parameter's hooks (held weakly:
-    the forwarder must not keep a dropped parameter alive). See
-    :meth:`ParameterGroup._forward_tensor_hooks`."""
-
-    def __init__(self, dp: nn.Parameter):
-        self._dp = weakref.ref(dp)
-
-    def __call__(self, grad: torch.Tensor) -> Optional[torch.Tensor]:
-        dp = self._dp()
-        hooks = dp._backward_hooks if dp is not None else None
-        if not hooks:
-            return None
-        changed = False
-        for hook in tuple(hooks.values()):
-            out = hook(grad)
-            if out is not None:
-                grad, changed = out, True
-        return grad if changed else None
-
-
 def swap_param(old: nn.Parameter, new: nn.Parameter) -> None:
     """Give the parameter object ``old`` (held by modules, optimizers, user code) ``new``'s
     contents, keeping its identity, its attributes and those of its local tensor (DCP's
@@ -126,7 +107,7 @@ def swap_param(old: nn.Parameter, new: nn.Parameter) -> None:
     old.__dict__.update(attrs)
 
 
-class ParameterGroup(GradientReduction):
+class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
     def __init__(
         self,
         unit_name: str,
@@ -287,207 +268,6 @@ class ParameterGroup(GradientReduction):
         self.weights.free_unsharded()
         self._record_storages()
 
-    # -- parameters ---------------------------------------------------------------------------
-    def _make_params(self, params: list[nn.Parameter]) -> None:
-        views = self.weights.param_views()
-        for i, p in enumerate(params):
-            local = self.weights.piece_view(self.main_weight, i)
-            spec = self.tp_specs[i]
-            shape = spec.shape if spec is not None else p.shape  # global, from the DTensor
-            dp = nn.Parameter(self.as_dtensor(local, i, shape), requires_grad=p.requires_grad)
-            for k, v in p.__dict__.items():  # user tags (no-weight-decay flags, TP metadata, ...)
-                if not k.startswith("_mfsdp2"):
-                    setattr(dp, k, v)
-            if p._backward_hooks:  # gradient hooks registered before fully_shard: the same dict,
-                dp._backward_hooks = p._backward_hooks  # so the user's handles still remove them
-            self.dist_params.append(dp)
-            unsharded = tp_dtensor(views[i], spec) if spec is not None else views[i]
-            up = nn.Parameter(unsharded, requires_grad=p.requires_grad)
-            self.unsharded_params.append(up)
-        self._grad_views = GradViews(len(self.dist_params))
-
-    def as_dtensor(self, local: torch.Tensor, index: int, shape) -> torch.Tensor:
-        """This rank's rows of parameter ``index`` as the optimizer-facing DTensor (``shape``:
-        global; a TP parameter's lives on the (tp, dp) mesh, see :mod:`mfsdp2.integrations.tensor_parallel`)."""
-        placement = self._row_shards.get(index)
-        if placement is None:  # one per parameter: its rows never change (O(world size) to build)
-            slot = self.layout.slots[index]
-            placement = self._row_shards[index] = RowShard(slot.shard_dim, self.layout.rows_per_rank(index))
-        spec = self.tp_specs[index]
-        if spec is None:
-            return data_parallel_dtensor(local, self.mesh, placement, shape, self.config.shard_dim)
-        mesh = tp_dp_mesh(spec.mesh, self.mesh)
-        placements = spec.placements + (placement,)
-        return wrap_local(local, mesh, placements, spec.shape, spec.stride())  # offloaded: the host rows themselves
-
-    def register(self, unsharded: bool, check: bool = True) -> None:
-        """Point every owner module's attribute at the unsharded (compute) or sharded (DTensor) params.
-
-        A parameter shared by several modules of this unit (tied weights) has several owners.
-        ``check``: the attribute must still hold one of ours; a parameter the user assigned after
-        ``fully_shard`` would otherwise be overwritten here without a word, and never trained.
-        """
-        params = self.unsharded_params if unsharded else self.dist_params
-        if unsharded:
-            if check:
-                self._check_data_not_assigned()
-            self._follow_requires_grad()
-            self._forward_tensor_hooks()
-        for i, (owners, p) in enumerate(zip(self.infos, params)):
-            for info in owners:
-                if check:
-                    cur = info.owner._parameters.get(info.attr)
-                    if cur is not self.dist_params[i] and cur is not self.unsharded_params[i]:
-                        raise RuntimeError(
-                            f"mfsdp2: parameter {info.fqn!r} of unit {self.unit_name!r} was replaced (or deleted) "
-                            "after fully_shard and the first forward; the runtime owns it now. Change its values "
-                            "in place (with torch.no_grad(): param.copy_(...), or load_state_dict) instead of "
-                            "assigning a new Parameter, or assign it before the first forward (a DTensor like "
-                            "the parameter, as FSDP2 takes it)"
-                        )
-                info.owner._parameters[info.attr] = p
-        if not unsharded and not check:
-            # (Re)built parameters (fully_shard, conversions, regrouping): not every reshard, so
-            # an assignment made while the unit was gathered is still caught at its next forward.
-            self._record_storages()
-
-    def _record_storages(self) -> None:
-        """Remember each DTensor parameter's storage and local tensor (see
-        :meth:`_check_data_not_assigned`, :meth:`converted_elsewhere`)."""
-        self._dp_storages = [dp.untyped_storage()._cdata for dp in self.dist_params]
-        self._dp_locals = [id(dp._local_tensor) for dp in self.dist_params]
-
-    def converted_elsewhere(self, i: int) -> bool:
-        """Whether parameter ``i``'s object got new contents behind the group's back: torch's
-        ``_apply`` (``.to`` / ``to_empty`` / ``.half()``) run on a module inside the unit that is
-        not one of its modules swaps a new DTensor into it (``swap_tensors``), whose local tensor
-        is no view of the group's rows."""
-        recorded = getattr(self, "_dp_locals", None)
-        return recorded is not None and id(self.dist_params[i]._local_tensor) != recorded[i]
-
-    def _check_data_not_assigned(self) -> None:
-        """``p.data = new`` on a DTensor parameter swaps the wrapper's storage but not the local
-        tensor every DTensor op reads (``p._local_tensor``, a view of our main weights): the
-        assignment is silently lost -- the optimizer, the gathers and ``state_dict`` all keep
-        the old values (torch FSDP2 trains them without a word). The wrapper's storage is the
-        one thing that changes, so compare it with the one recorded when the parameter was last
-        registered (0.3 us per parameter per forward) and refuse, naming the parameter."""
-        recorded = self._dp_storages
-        if recorded is None:
-            return
-        for i, dp in enumerate(self.dist_params):
-            if dp.untyped_storage()._cdata != recorded[i]:
-                if self.converted_elsewhere(i):
-                    raise RuntimeError(
-                        f"mfsdp2: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} was converted "
-                        "(.to / to_empty / .half ...) after the first forward through a module inside the unit "
-                        "that is not one of the modules passed to fully_shard; its shard keeps the old values. "
-                        "Convert the unit's module (or the whole model), which converts its shards"
-                    )
-                raise RuntimeError(
-                    f"mfsdp2: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} had its .data "
-                    "assigned after fully_shard (p.data = ...); a DTensor parameter ignores that (its "
-                    "shard keeps the old values, which would be trained and saved). Write the values "
-                    "in place instead: with torch.no_grad(): p.copy_(new) (or p.data.copy_(new))"
-                )
-
-    def _forward_tensor_hooks(self) -> None:
-        """Make the gradient hooks users register on the parameters they see
-        (``p.register_hook(lambda g: g * mask)``: masking rows of an embedding, scaling, clipping)
-        run. Autograd computes the gradient of the unsharded parameter, never of the DTensor one,
-        so a hook on the DTensor is never called -- under torch FSDP2 too, silently.
-
-        Each parameter with hooks gets one forwarding hook on its unsharded parameter, which runs
-        the DTensor parameter's current hooks (added or removed since included) on the unsharded
-        gradient of each backward, before the reduction: what the hooks see and do is what they
-        see and do in single-process or DDP code (a full-shape plain tensor, this rank's
-        gradient), and hooks that are linear in the gradient (masks, scales) give exactly the
-        unsharded model's result. A check of one attribute per parameter per forward."""
-        for i, dp in enumerate(self.dist_params):
-            if not dp._backward_hooks:
-                continue
-            up = self.unsharded_params[i]
-            if self._hooks_forwarded_to.get(i) is up or not up.requires_grad:
-                continue
-            up.register_hook(_HookForwarder(dp))
-            self._hooks_forwarded_to[i] = up
-
-    def _follow_requires_grad(self) -> None:
-        """The module computes with the unsharded parameters, but users freeze (or unfreeze) the
-        ones they see, the DTensors (``block.requires_grad_(False)`` after ``fully_shard``, as with
-        FSDP2). Copy the flag over before each use, or a frozen layer would still get gradients and
-        the optimizer would keep training it."""
-        for i, (dp, up) in enumerate(zip(self.dist_params, self.unsharded_params)):
-            if up.requires_grad == dp.requires_grad:
-                continue
-            if dp.requires_grad and not self.requires_grad:
-                raise RuntimeError(
-                    f"mfsdp2: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} was made trainable "
-                    "(requires_grad_(True)) after fully_shard, but it was sharded frozen, with no gradient "
-                    "buffers; call requires_grad_(True) before fully_shard (freezing after it is fine)"
-                )
-            up.requires_grad_(dp.requires_grad)
-
-    def main_version(self) -> int:
-        """Grows whenever anything writes the main weights in place (optimizer, loading)."""
-        # DTensor ops bump the wrapper's counter, direct writes to a local bump the local's.
-        return self.main_weight._version + sum(dp._version + dp._local_tensor._version for dp in self.dist_params)
-
-    def refresh_model_shard(self) -> None:
-        """Cast main -> model weights into a persistent buffer's local slice (persistent groups
-        whose compute dtype differs). Done by every gather, the slice's only reader: the main
-        weights are written by inits, loads and steps the group cannot all see, so a cast made
-        earlier (at construction) could be stale by then."""
-        if not self._needs_cast:
-            return
-        with torch.no_grad():
-            copy_from_main(self.weights.shard, self.main_weight)  # offloaded: non-blocking from pinned memory
-        self.casts += 1
-
-    def mark_changed(self) -> None:
-        """The main weights were (or may have been) written: re-cast and re-gather before the
-        next use. Called on every rank (optimizer-step hook, ``mark_weights_changed``, loading)."""
-        self.changed = True
-
-    def changed_flag(self, one: torch.Tensor) -> torch.Tensor:
-        """0-dim device float: 1 when this rank sees a change since the last gather. Host facts
-        (a step, an announced write, a moved version counter) answer without touching the device;
-        otherwise the main shard's fingerprint is compared on the device (no host read here)."""
-        if self.host_changed() or self._gathered_fp is None:
-            return one
-        return (fingerprint(self.main_weight) != self._gathered_fp).any().to(one.dtype)
-
-    @property
-    def fingerprinted(self) -> bool:
-        """Persistent weights whose content is compared at each root forward (a write through
-        ``.data`` bumps no counter). Not when the module computes with the main weights' own
-        memory -- ``no_shard`` with equal main and compute dtypes: a shard group of one rank, the
-        main weights *are* the full buffer -- where such a write is what the module reads anyway
-        and nothing is re-cast or re-gathered: the fingerprint (a pass over all weights per
-        step) would buy nothing."""
-        return self.persistent and self.content_check and (self.comm.world_size > 1 or self._needs_cast)
-
-    def host_changed(self) -> bool:
-        """A change this rank's host knows of: a step, an announced write, a moved version counter."""
-        return self.changed or self.main_version() != self.gathered_version
-
-    @property
-    def compares_on_device(self) -> bool:
-        """Whether the content fingerprint is compared on the compute device (agreed over the
-        device group): :attr:`fingerprinted` groups whose main weights are compute memory.
-        Offloaded main weights (host memory) are fingerprinted on the host (:meth:`host_flag`)."""
-        return self.fingerprinted and not self.main.offloaded
-
-    def host_flag(self) -> bool:
-        """What this rank's host can tell without reading device memory: :meth:`host_changed`,
-        and, for :attr:`fingerprinted` main weights in host memory (CPU offload), whether the
-        main shard's fingerprint moved (a CPU computation)."""
-        if self.host_changed():
-            return True
-        if not (self.main.offloaded and self.fingerprinted):
-            return False
-        return self._gathered_fp is None or bool((fingerprint(self.main_weight) != self._gathered_fp).any())
-
     @property
     def main_comm(self) -> Communicator:
         """The shard group for sums of values computed from main state (gradient norms): the
@@ -520,34 +300,6 @@ class ParameterGroup(GradientReduction):
                     rider.begin_gather()
                 return self.fp8.all_gather(allocator, key, label, rider, rider_key)
             return self.weights.all_gather(allocator, key, label)
-
-    def begin_gather(self, fp: Optional[torch.Tensor] = None) -> None:
-        """What every gather of the model weights starts with (its own or a bucket's). A gather
-        happens because the main weights changed (persistent groups: ``stale``; ZeRO-3 casts
-        inside the gather): re-cast the model shard every time. Deferring it to "the gather after
-        the next" missed writes made after the last cast -- an init after ``to_empty`` -- and
-        computed with the cast of uninitialised memory. ``fp``: the main shard's fingerprint,
-        when the caller took it already (a bucket takes its members' in one batch)."""
-        self.refresh_model_shard()
-        self.gathered_version = self.main_version()
-        self.changed = self.agreed_stale = False
-        if self.fingerprinted:
-            self._gathered_fp = fp if fp is not None else fingerprint(self.main_weight)
-
-    @property
-    def stale(self) -> bool:
-        """True when the weights changed after the last gather.
-
-        Persistent weights: the answer agreed at the root's forward (version counters and the
-        fingerprint, MAX over ranks) or a signal every rank gets (optimizer step, announced write).
-        Local version counters are not consulted between root forwards: a rank holding no rows
-        would decide differently and the ranks would issue different collectives. ZeRO-3 groups
-        ask this only while gathered (kept across a step, or an in-flight ``unshard``). A group
-        whose rows are still to come from a cross-unit bucket (:attr:`pending_gather`) counts as
-        stale too: its next ``unshard`` must hand out the bucket's handle, not skip the wait."""
-        if self.persistent:
-            return self.agreed_stale or self.changed or self.pending_gather is not None
-        return self.changed or self.main_version() != self.gathered_version
 
     def reshard(self) -> None:
         self.weights.free_unsharded()
