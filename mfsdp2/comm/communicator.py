@@ -82,7 +82,7 @@ def set_collective_checks(enabled: bool) -> None:
 def host_tensor(values, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of facts the host already knows (e.g. which parameters had a gradient), to be
     agreed over a :meth:`Communicator.host` group. Reading it back is no device synchronisation;
-    the mark lets ``tests/test_host_sync.py`` tell it from tensors whose reads would be."""
+    the mark lets ``tests/runtime/test_host_sync.py`` tell it from tensors whose reads would be."""
     t = torch.tensor(values, dtype=dtype)
     t._mfsdp2_host_metadata = True
     return t

@@ -10,7 +10,7 @@ are asked for: one ``segment_reduce``), summed over the data-parallel shard grou
 all-reduce, and the clip is one multiply per flat shard.
 
 What it returns equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (same total norm,
-same clipped gradients; tests/test_clip_grad.py), as a plain tensor holding the same value on
+same clipped gradients; tests/integrations/test_clip_grad.py), as a plain tensor holding the same value on
 every rank. Gradients that are not views of our flat shards (a gradient the user assigned, plain
 tensors, tensor-parallel parameters) go through torch's own norm, and the two parts combine.
 """

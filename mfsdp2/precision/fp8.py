@@ -115,7 +115,7 @@ class Float8Gather:
         compute dtype), and a second all-gather of a few KiB costs gloo's fixed ~1 ms latency
         and a second wait. The rider's bytes are the same cast of its main shard that its own
         gather makes (:meth:`DataParallelBuffer.all_gather`), so every weight is bit for bit the
-        one the separate gathers give (``tests/test_fp8_merged_gather.py``)."""
+        one the separate gathers give (``tests/precision/test_fp8_merged_gather.py``)."""
         g = self.group
         if not self.agreed:
             # First gather, before any root forward agreed on scales (an explicit unshard()):

@@ -17,7 +17,7 @@ torch version it was built against and only the name of the running torch's vers
 for, so a build for one torch is never loaded by another; a module that fails to load
 (missing, undefined symbol, ...) is logged once and the references are used.
 
-Results are **bit-identical** to the references (tests/test_native.py): float8 rounding is
+Results are **bit-identical** to the references (tests/precision/test_native.py): float8 rounding is
 torch's (round to nearest, ties to even, of the clamped value), and dequantising is a lookup in
 256-entry per-segment tables that torch computes with the reference's own operations.
 

@@ -10,7 +10,7 @@ at ``torch.distributed`` would not see as one collective).
 
 Nothing beyond FSDP2's: the gradient-presence agreement (``mfsdp2.runtime.grad_presence``) is one small
 all-reduce per step only where ``set_reduce_scatter_unused_params(True)`` asks for it
-(tests/test_grad_presence.py counts both).
+(tests/runtime/test_grad_presence.py counts both).
 
 One documented difference: on gloo a small unit's reduce-scatter is an all-reduce of its whole
 flat gradient, so such units share bucketed all-reduces (``mfsdp2.comm.grad_buckets``, 25 MiB like

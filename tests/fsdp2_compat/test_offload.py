@@ -29,7 +29,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from . import mean_loss, sharded_pair, snapshot, assert_same_snapshots
 from .test_dsd import GET_OPTIONS, _assert_same, _describe, _fqn_optim
 from .._dist import run_ranks
-from ..test_tp import _build as tp_build
+from ..integrations.test_tp import _build as tp_build
 from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, shard_blocks
 
 STEPS, GB = 3, 8
@@ -243,8 +243,8 @@ def _conversions(rank, ws, mesh):
 
 def _meta_offload(rank, ws, mesh):
     """A model built on the meta device and sharded with offload keeps everything on meta (no
-    host or device bytes; tests/test_meta_init.py counts them without offload) until its init, then gets host main state: ``mfsdp2.materialize``
-    (the normal build's draw, see tests/test_meta_init.py) then ``.to(float64)`` (groups rebuilt
+    host or device bytes; tests/frontend/test_meta_init.py counts them without offload) until its init, then gets host main state: ``mfsdp2.materialize``
+    (the normal build's draw, see tests/frontend/test_meta_init.py) then ``.to(float64)`` (groups rebuilt
     on the host), or FSDP2's ``to_empty(device="cpu")`` and a ``copy_`` init. ZeRO-3, and the
     persistent strategies, whose main weights never share the model buffer under offload."""
     import mfsdp2
