@@ -19,7 +19,7 @@ $(STAMP): setup.py constraints.txt
 
 # The optional native kernels (csrc/), built in place against the venv's torch once it is
 # installed (pip's isolated build has no torch, so the install above leaves them out). A failed
-# build is not an error: mfsdp2 then runs the PyTorch reference of each kernel (mfsdp2/native.py).
+# build is not an error: mfsdp2 then runs the PyTorch reference of each kernel (mfsdp2/precision/native.py).
 native: $(NATIVE)
 
 $(NATIVE): $(STAMP) $(wildcard csrc/*)

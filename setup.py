@@ -9,7 +9,7 @@ from setuptools import find_packages, setup
 # one (a multi-GB CUDA build). So there the package installs without them, and the Makefile
 # builds them in place afterwards with the venv's python (`setup.py build_ext --inplace`), which
 # imports the installed torch. MFSDP2_NATIVE=0 skips them. Without them every kernel runs its
-# pure-PyTorch reference (mfsdp2/native.py).
+# pure-PyTorch reference (mfsdp2/precision/native.py).
 ext_modules, cmdclass = [], {}
 try:
     import torch
@@ -17,7 +17,7 @@ try:
 except ImportError:
     torch = None
 if torch is not None and os.environ.get("MFSDP2_NATIVE", "1") != "0":
-    # The module's name carries the torch version it is built against (mfsdp2/native.py looks
+    # The module's name carries the torch version it is built against (mfsdp2/precision/native.py looks
     # for its own torch's name only): a build for one torch is never loaded by another.
     tag = re.sub(r"[^0-9A-Za-z]", "_", torch.__version__)
     ext_modules = [
@@ -44,7 +44,7 @@ setup(
     cmdclass=cmdclass,
     # A range, not a pin: pip keeps the torch a user already has (often a CUDA build of their
     # own) when it lies in the range. 2.11 and 2.13 are the versions the suite runs on; 2.11's
-    # missing APIs are bridged by mfsdp2/compat.py. The Makefile pins the project's own CPU
+    # missing APIs are bridged by mfsdp2/integrations/compat.py. The Makefile pins the project's own CPU
     # wheel (constraints.txt) for its venv.
     install_requires=["torch>=2.11", "nvtx", "numpy"],
     extras_require={

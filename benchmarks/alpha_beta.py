@@ -63,7 +63,7 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def _alpha_beta(ws: int, reps: int) -> dict:
-    from mfsdp2.comm import Communicator
+    from mfsdp2.comm.communicator import Communicator
 
     comm = Communicator(dist.group.WORLD, torch.device("cpu"))
     out = {}
@@ -146,7 +146,7 @@ def _model_case(name: str, rank: int, ws: int, steps: int) -> dict:
     (alternating, so the machine's drift hits all alike)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mfsdp2.comm import comm_stats
+    from mfsdp2.comm.communicator import comm_stats
 
     timer = _UnitTimer(C.build_model(name), name)
     opt_floor = _shard_optimizer(timer.model, ws)

@@ -66,7 +66,7 @@ def main() -> None:
         norms = res[0]["norms"]
         ref = norms[keys[2]]
         # fp32 sums of ~1e7 squares in different orders: relative differences up to ~sqrt(n)*u ~ 2e-4
-        # (exactness is tested in float64, tests/test_clip_grad.py)
+        # (exactness is tested in float64, tests/integrations/test_clip_grad.py)
         assert all(abs(v - ref) <= 1e-3 * abs(ref) for v in norms.values()), norms
         base = med[keys[0]]
         print(f"\n{name}: {res[0]['params']} parameters, total norm {ref:.6g}")

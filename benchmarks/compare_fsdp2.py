@@ -26,14 +26,14 @@ alone, fresh model, after one warm-up step) the peak tensor memory per rank and 
   converted back to the buffer they reduce, ``_common.wire_summary``), plus the ring estimate of
   bytes each rank sends.
 * peak tensor memory: the same tool for both frameworks -- torch's ``FSDPMemTracker`` for FSDP2 and
-  its base ``MemTracker`` for mfsdp2 (``mfsdp2.memory_bound.StepMemoryTracker``: mfsdp2's shards,
+  its base ``MemTracker`` for mfsdp2 (``mfsdp2.memory.memory_bound.StepMemoryTracker``: mfsdp2's shards,
   main grads and everything its allocator holds registered as external tensors) -- over two
   steady-state steps; everything live counts (shards, gathered weights, gradients, activations,
   optimizer state). mfsdp2's own accounting (persistent shards + allocator peak) is reported
   beside it, and ``mfsdp2.estimate_memory``'s prediction of it (``ratio``
   ``estimate_error``, see ``benchmarks/memory_estimate.py``).
 * the schedule's bound (mfsdp2): the same count at the same moments with the allocator's memory
-  counted only while a buffer uses it (``mfsdp2/memory_bound.py``), measured in the same pass:
+  counted only while a buffer uses it (``mfsdp2/memory/memory_bound.py``), measured in the same pass:
   ``ratio.peak_vs_bound`` = peak / bound (max over ranks), ``ratio.bound_vs_tuned`` = bound / tuned
   FSDP2's peak; where the bound is above that peak, ``bound_above_tuned_fsdp2`` gives both
   breakdowns (what the schedule holds there that FSDP2's does not).
@@ -138,7 +138,7 @@ def _tensor_phase(framework: str, ref, name: str, config: str, mesh, rank: int, 
     C.train_step(model, opt, name, x, y)
     out: dict = {}
     if framework == "mfsdp2":
-        from mfsdp2.memory_bound import StepMemoryTracker
+        from mfsdp2.memory.memory_bound import StepMemoryTracker
 
         model.allocator.stats.reset_peak()
         # torch's MemTracker plus the bound: mfsdp2's shards, main grads and everything its
@@ -186,7 +186,7 @@ def run_case(rank: int, ws: int, spec: dict, counter: C.CollectiveCounter) -> di
     from torch.distributed.device_mesh import init_device_mesh
 
     import mfsdp2
-    from mfsdp2.comm import comm_stats
+    from mfsdp2.comm.communicator import comm_stats
 
     name, config = spec["model"], spec["config"]
     steps, warmup = spec["steps"], spec["warmup"]
@@ -343,7 +343,7 @@ def _combine(per_rank: list[dict], ws: int) -> dict:
             "final_loss": r0["losses"][fw][-1],
         }
         if fw == "mfsdp2":
-            # The schedule's own bound, measured with the peak (mfsdp2.memory_bound), per rank.
+            # The schedule's own bound, measured with the peak (mfsdp2.memory.memory_bound), per rank.
             d["bound_bytes"] = max(m["bound"]["bound_bytes"] for m in mem)
             d["peak_vs_bound_per_rank"] = [m["peak_tensor_bytes"] / m["bound"]["bound_bytes"] for m in mem]
             d["bound_rank0"] = mem[0]["bound"]

@@ -1,4 +1,4 @@
-"""mfsdp2's native kernels (csrc/, mfsdp2/native.py) against the fastest pure-PyTorch ways of
+"""mfsdp2's native kernels (csrc/, mfsdp2/precision/native.py) against the fastest pure-PyTorch ways of
 doing the same job, on the segment tables of the benchmark models. A kernel ships only if it is
 at least 1.5x faster than the best of them (docs/design.md, *Native kernels*).
 
@@ -36,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 import torch  # noqa: E402
 
-from mfsdp2 import native  # noqa: E402
-from mfsdp2.layout import plan_layout  # noqa: E402
+from mfsdp2.precision import native  # noqa: E402
+from mfsdp2.memory.layout import plan_layout  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 SHIP = 1.5

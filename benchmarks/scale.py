@@ -90,7 +90,7 @@ def _shard_all(model, mesh, **kw) -> None:
 
 def _units(model) -> dict:
     """id(unit state) -> its groups."""
-    from mfsdp2.state import unit_state
+    from mfsdp2.runtime.state import unit_state
 
     out = {}
     for m in model.modules():
@@ -105,7 +105,7 @@ def memory_case(spec: dict) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     import mfsdp2
-    import mfsdp2.param_group as PG
+    import mfsdp2.memory.param_group as PG
     from mfsdp2.examples.llama import LlamaConfig, Transformer
 
     mesh = _init_fake(spec["mesh"])
@@ -157,11 +157,11 @@ def step_case(spec: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    import mfsdp2.param_group as PG
+    import mfsdp2.memory.param_group as PG
     from mfsdp2.examples.llama import LlamaConfig, Transformer
-    from mfsdp2.hooks import lazy_init
-    from mfsdp2.state import unit_state
-    from mfsdp2.trace_pool import TracePoolAllocator
+    from mfsdp2.runtime.hooks import lazy_init
+    from mfsdp2.runtime.state import unit_state
+    from mfsdp2.memory.trace_pool import TracePoolAllocator
 
     mesh = _init_fake(spec["mesh"])
     acc: dict = {}
@@ -234,9 +234,9 @@ def fake_collective_case(spec: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from mfsdp2 import compat
+    from mfsdp2.integrations import compat
     from mfsdp2.examples.llama import LlamaConfig, Transformer
-    from mfsdp2.layout import plan_layout
+    from mfsdp2.memory.layout import plan_layout
 
     mesh = _init_fake(spec["mesh"])
     group = mesh["shard"].get_group()

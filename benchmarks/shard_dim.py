@@ -122,7 +122,7 @@ def compute_only(iters: int) -> list[dict]:
     its dim-1-first storage -- and the gradient packed into a flat buffer in storage order (what
     the reduction reads). Variants alternate every iteration (order reversed every other one), so
     the machine's load hits both alike; medians."""
-    from mfsdp2.shard_dim import from_storage, storage_flat, storage_shape
+    from mfsdp2.dtensors.shard_dim import from_storage, storage_flat, storage_shape
 
     torch.set_num_threads(1)
     out = []

@@ -41,7 +41,7 @@ unshard + explicit forward / backward prefetch of the next unit):
 
   - ``bf16``, ``bf16_fp8`` as above (a unit's bf16 group rides in its float8 group's all-gather)
   - ``bf16_fp8_sep``  the same FP8 model with each group gathered on its own
-    (``mfsdp2.fp8.MERGE_GATHERS = False`` around its steps: ``MFSDP2_FP8_MERGED_GATHER=0``'s path)
+    (``mfsdp2.precision.fp8.MERGE_GATHERS = False`` around its steps: ``MFSDP2_FP8_MERGED_GATHER=0``'s path)
 
 Per variant: median step time (max over ranks, p10/p90 over the timed rounds); wire bytes per step
 by collective kind (``_common.CollectiveCounter``: each collective's full buffer -- all-gather
@@ -179,9 +179,9 @@ def build_variant(name: str, ref: torch.nn.Module, mesh) -> torch.nn.Module:
 
 def merge_fp8_gathers(v: str) -> None:
     """``bf16_fp8_sep`` steps gather each group on its own; every other variant merges (the default)."""
-    import mfsdp2.fp8
+    import mfsdp2.precision.fp8
 
-    mfsdp2.fp8.MERGE_GATHERS = v != "bf16_fp8_sep"
+    mfsdp2.precision.fp8.MERGE_GATHERS = v != "bf16_fp8_sep"
 
 
 def train_step(v: str, model, opt, name: str, x, y, accum: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-// Python bindings of mfsdp2's native kernels (loaded by mfsdp2/native.py, which holds the
+// Python bindings of mfsdp2's native kernels (loaded by mfsdp2/precision/native.py, which holds the
 // pure-PyTorch reference of each and decides which one runs).
 #include <torch/extension.h>
 
@@ -11,13 +11,13 @@
 
 namespace py = pybind11;
 
-// Bumped whenever a kernel's signature or meaning changes: mfsdp2/native.py loads a module only
+// Bumped whenever a kernel's signature or meaning changes: mfsdp2/precision/native.py loads a module only
 // if it reports the API it expects (a stale build from older sources is not used).
 constexpr int kApiVersion = 4;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mfsdp2 native kernels over flat buffers and their segment tables (CPU)";
-  m.def("api_version", [] { return kApiVersion; }, "The kernels' API version (see mfsdp2/native.py).");
+  m.def("api_version", [] { return kApiVersion; }, "The kernels' API version (see mfsdp2/precision/native.py).");
   m.def("torch_version", [] { return std::string(MFSDP2_TORCH_VERSION); },
         "The torch version this module was built against.");
   m.def("quantise_fp8", &mfsdp2::quantise_fp8, py::arg("src"), py::arg("dst"), py::arg("offsets"),

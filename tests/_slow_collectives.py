@@ -24,7 +24,7 @@ input, handing their memory to another buffer, or reusing it on another stream -
 collective every time.
 
 With ``stream_ordered=True`` (the default on CUDA) the harness also presents the process group to
-mfsdp2 as a stream-ordered backend (NCCL): ``mfsdp2.comm`` then takes its NCCL path -- collectives
+mfsdp2 as a stream-ordered backend (NCCL): ``mfsdp2.comm.communicator`` then takes its NCCL path -- collectives
 called with ``async_op=False`` inside its side streams and an event recorded after them -- which
 is what runs on GPUs in production and cannot otherwise run with two ranks on one GPU. False
 keeps gloo's own path (``async_op=True``, the work waited). gloo lacks nothing mfsdp2's NCCL path
@@ -173,7 +173,7 @@ class SlowCollectives:
                 if getattr(mod, name, None) is orig:
                     setattr(mod, name, wrapped)
         if self.stream_ordered:
-            import mfsdp2.comm as comm
+            import mfsdp2.comm.communicator as comm
 
             self._saved_policy = comm.stream_ordered_backend
             comm.stream_ordered_backend = lambda name, device_type: device_type == "cuda"
@@ -204,7 +204,7 @@ class SlowCollectives:
                     if getattr(mod, name, None) is self._wrappers[name]:
                         setattr(mod, name, orig)
             if self._saved_policy is not None:
-                import mfsdp2.comm as comm
+                import mfsdp2.comm.communicator as comm
 
                 comm.stream_ordered_backend = self._saved_policy
         if self.errors and exc[0] is None:

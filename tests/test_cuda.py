@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ._dist import client_store, held_store
-from mfsdp2 import compat
-from mfsdp2.allocator import DynamicAllocator
+from mfsdp2.integrations import compat
+from mfsdp2.memory.allocator import DynamicAllocator
 
 from .models import batch, build, loss_fn, make_opt
 
@@ -414,9 +414,9 @@ class _PoisoningAllocator(DynamicAllocator):
 
 
 def _zero_copy_buffer():
-    from mfsdp2.buffer import DataParallelBuffer
-    from mfsdp2.comm import Communicator
-    from mfsdp2.layout import plan_layout
+    from mfsdp2.memory.buffer import DataParallelBuffer
+    from mfsdp2.comm.communicator import Communicator
+    from mfsdp2.memory.layout import plan_layout
 
     dev = _dev()
     comm = Communicator(dist.group.WORLD, dev)
@@ -482,9 +482,9 @@ def _resize_buffer():
     """The fallback without _swap_data_ptr_ (forced here on any torch): unshard/reshard resize the
     storage in place; the allocator is not asked, the views (and one autograd saved) follow the
     storage into its new memory, and a reshard returns the bytes to torch's caching allocator."""
-    from mfsdp2.buffer import DataParallelBuffer
-    from mfsdp2.comm import Communicator
-    from mfsdp2.layout import plan_layout
+    from mfsdp2.memory.buffer import DataParallelBuffer
+    from mfsdp2.comm.communicator import Communicator
+    from mfsdp2.memory.layout import plan_layout
 
     compat.HAS_STORAGE_SWAP = False  # read when a buffer is built (this spawned process only)
     dev = _dev()
@@ -613,7 +613,7 @@ def test_cuda_zero_copy_model_backward_reads_regathered_blocks():
 
 def _launch_without_stream_wait(stream, fn):
     """Communicator._launch minus the side stream's wait on the current stream (the control)."""
-    from mfsdp2.comm import CommHandle
+    from mfsdp2.comm.communicator import CommHandle
 
     with torch.cuda.stream(stream):
         fn(False)
@@ -624,7 +624,7 @@ def _launch_without_stream_wait(stream, fn):
 
 def _side_stream_waits(collective: str):
     """The current stream sleeps, then writes the input; the launched fn reads it on the side stream."""
-    from mfsdp2.comm import Communicator
+    from mfsdp2.comm.communicator import Communicator
 
     dev = _dev()
     comm = Communicator(dist.group.WORLD, dev)
@@ -677,7 +677,7 @@ def test_cuda_side_stream_waits_on_current_stream(collective):
 def _handle_wait_orders_current_stream():
     """The launched fn writes on the side stream after a sleep; after wait() the current stream
     must see the write, and wait() must not have blocked the host."""
-    from mfsdp2.comm import Communicator
+    from mfsdp2.comm.communicator import Communicator
 
     dev = _dev()
     comm = Communicator(dist.group.WORLD, dev)

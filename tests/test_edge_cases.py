@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp2 import fully_shard
-from mfsdp2.tensor_parallel import _root
+from mfsdp2.integrations.tensor_parallel import _root
 
 from ._dist import run_ranks
 from .models import REL_F64, assert_close_rel, batch, build, loss_fn
@@ -55,7 +55,7 @@ def _train_steps(model, rank, ws, steps=3):
 
 
 def _zero_size(rank, ws):
-    from mfsdp2.state_dict import StateDictOptions, get_model_state_dict
+    from mfsdp2.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     mesh = init_device_mesh("cpu", (ws,))
     model = fully_shard(_WithEmpty(), mesh=mesh)

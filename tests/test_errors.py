@@ -17,9 +17,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mfsdp2 import CollectiveError, MixedPrecisionPolicy
-from mfsdp2.fully_shard import AlreadyShardedError, InvalidShardDimError
-from mfsdp2.module import NotAnFSDPModuleError
-from mfsdp2.step_guard import StaleParameterError, UnreducedGradientsError, UnsupportedOptimizerError, UnsyncedGradientsError
+from mfsdp2.frontend.fully_shard import AlreadyShardedError, InvalidShardDimError
+from mfsdp2.frontend.module import NotAnFSDPModuleError
+from mfsdp2.runtime.step_guard import StaleParameterError, UnreducedGradientsError, UnsupportedOptimizerError, UnsyncedGradientsError
 
 from ._dist import run_ranks
 from .models import Net, batch, build, loss_fn
@@ -115,7 +115,7 @@ def _pipeline_rows(out: dict, mesh) -> None:
     stages on this one rank). E49: a gradient written into a gathered unit after its backward."""
     import torch.distributed.pipelining as pipelining
 
-    from mfsdp2.pipelining import PipelineStage
+    from mfsdp2.integrations.pipelining import PipelineStage
 
     from mfsdp2 import fully_shard
 
@@ -141,8 +141,8 @@ def _rows_ws1(rank, ws):
     from mfsdp2 import TracePoolAllocator, fully_shard
     from mfsdp2.checkpoint.fused import join_fused, split_fused
     from mfsdp2.checkpoint.hf import load_hf_safetensors
-    from mfsdp2.diagnostics import check_buffers, check_finite_grads
-    from mfsdp2.layout import plan_layout
+    from mfsdp2.runtime.diagnostics import check_buffers, check_finite_grads
+    from mfsdp2.memory.layout import plan_layout
 
     mesh = init_device_mesh("cpu", (ws,))
     out: dict = {}
@@ -163,7 +163,7 @@ def _rows_ws1(rank, ws):
         meta = nn.Linear(3, 3)
     fully_shard(meta, mesh=mesh)  # fine: shapes are all it needs; values come from materialize()
     _capture(out, "E04", lambda: meta(torch.zeros(1, 3)))
-    from mfsdp2 import state_dict as msd
+    from mfsdp2.checkpoint import state_dict as msd
 
     _capture(out, "E50", lambda: msd.get_optimizer_state_dict(meta, torch.optim.SGD(meta.parameters(), lr=0.1)))
     with torch.device("meta"):
@@ -210,7 +210,7 @@ def _rows_ws1(rank, ws):
     tp = parallelize_module(nn.Linear(3, 3), mesh2["tp"], ColwiseParallel())
     _capture(out, "E41", lambda: fully_shard(tp, mesh=mesh2["dp"], sharding_strategy="no_shard"))
     _capture(out, "E42", lambda: MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16))
-    from mfsdp2 import state_dict as msd
+    from mfsdp2.checkpoint import state_dict as msd
 
     _capture(out, "E44", lambda: fully_shard(nn.LazyLinear(3), mesh=mesh))
     _capture(out, "E45", lambda: fully_shard(nn.ModuleList([nn.Linear(3, 3)]), mesh=mesh))
@@ -380,7 +380,7 @@ def _rows_ws1(rank, ws):
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from mfsdp2.state_dict import set_model_state_dict
+    from mfsdp2.checkpoint.state_dict import set_model_state_dict
 
     net = _sharded_net(mesh)
     sharded_sd = net.state_dict()  # DTensors where full tensors are expected

@@ -35,8 +35,8 @@ STEP_SCRIPT = textwrap.dedent(
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ws)
     from mfsdp2 import fully_shard
     from mfsdp2.examples.llama import LlamaConfig, Transformer
-    from mfsdp2.layout import BufferLayout
-    from mfsdp2.placement import RowShard
+    from mfsdp2.memory.layout import BufferLayout
+    from mfsdp2.dtensors.placement import RowShard
     mesh = init_device_mesh("cpu", (ws,))
     torch.manual_seed(0)
     model = Transformer(LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128))
@@ -86,7 +86,7 @@ GEOMETRY_SCRIPT = textwrap.dedent(
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
     from mfsdp2 import fully_shard
     from mfsdp2.examples.llama import LlamaConfig, Transformer
-    from mfsdp2.state import unit_state
+    from mfsdp2.runtime.state import unit_state
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
     cfg = LlamaConfig(**json.loads(sys.argv[2]))
     with torch.device("meta"):

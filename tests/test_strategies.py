@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp2 import MixedPrecisionPolicy, compat, fully_shard
+from mfsdp2 import MixedPrecisionPolicy, fully_shard
+from mfsdp2.integrations import compat
 
 from ._dist import run_ranks
 from .models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, local_grad_rows, loss_fn, make_opt, reference_run, rel_dist, same_cast_tolerances, sharded_train_step
@@ -127,7 +128,7 @@ def _gathers_once_per_step(rank, ws, cap_mb):
     """optim_grads keeps the full weights: gathered once per optimizer step, not per forward and
     backward; eval passes and gradient accumulation gather nothing. One all-gather per unit with
     bucketing off (``cap_mb=0``); with it, one per unit in the first forward (no recorded order
-    yet), then one bucket for the whole model (mfsdp2/gather_buckets.py)."""
+    yet), then one bucket for the whole model (mfsdp2/comm/gather_buckets.py)."""
     mesh = init_device_mesh("cpu", (ws,))
     model = _wrap(build("net"), mesh, "optim_grads")
     if cap_mb is not None:
@@ -247,7 +248,7 @@ def test_gradient_divide_factor_sum_and_custom(mesh_shape, strategy):
 def _checkpoint_run(rank, ws, path):
     import torch.distributed.checkpoint as dcp
 
-    from mfsdp2 import state_dict as msd
+    from mfsdp2.checkpoint import state_dict as msd
 
     mesh = init_device_mesh("cpu", (ws,))
     out = {}
@@ -266,7 +267,7 @@ def _checkpoint_run(rank, ws, path):
             sd = model.state_dict()
             dcp.load(sd, checkpoint_id=where)
             model.load_state_dict(sd)
-        else:  # the mfsdp2.state_dict helpers, optimizer included
+        else:  # the mfsdp2.checkpoint.state_dict helpers, optimizer included
             m, o = msd.get_state_dict(model, opt)
             msd.save({"model": m, "optim": o}, checkpoint_id=where)
             exp_avg = {k: v["exp_avg"].to_local().clone() for k, v in o["state"].items() if "exp_avg" in v}
@@ -368,7 +369,7 @@ def _zero1_steps(model, opt, rank, ws):
 
 
 def _zero1_run(rank, ws, cap):
-    from mfsdp2.comm import comm_stats
+    from mfsdp2.comm.communicator import comm_stats
 
     mesh = init_device_mesh("cpu", (ws,))
     model = _wrap(_WideNet().to(F64), mesh, "optim")

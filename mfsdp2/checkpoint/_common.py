@@ -22,7 +22,7 @@ Also here:
 from the rows the placement states with one ``all_gather_single`` (:func:`full_of`), independent of
 DTensor's process-wide caches. Those caches used to mix ``RowShard`` with a same-shape
 ``torch.chunk`` ``Shard(0)`` (a wrong-sized gather, or silently wrong rows); since
-:mod:`mfsdp2.row_propagation` they keep the two apart, and gathering outside them stays the
+:mod:`mfsdp2.dtensors.row_propagation` they keep the two apart, and gathering outside them stays the
 defensive choice for checkpoint code, where a wrong row is the most expensive kind of bug.
 """
 
@@ -37,9 +37,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .. import compat
-from ..placement import RowShard, communicable, row_sharded_dtensor, wrap_local
-from ..state import unit_state
+from ..integrations import compat
+from ..dtensors.placement import RowShard, communicable, row_sharded_dtensor, wrap_local
+from ..runtime.state import unit_state
 
 __all__ = [
     "ShardedParam",
@@ -208,7 +208,7 @@ def units(model: nn.Module) -> list:
                     "HSDP" if g.mesh.ndim != 1 else "FSDP x TP" if not other_dim else "sharded on dim != 0 for some parameters (shard_placement_fn)"
                 )
                 raise ValueError(
-                    f"mfsdp2.state_dict helpers handle row-sharded 1-D layouts (ZeRO-1/2/3 on a 1-D mesh); "
+                    f"mfsdp2.checkpoint.state_dict helpers handle row-sharded 1-D layouts (ZeRO-1/2/3 on a 1-D mesh); "
                     f"unit {s.name!r} is {kind}. Save and load its model state with model.state_dict() / "
                     "model.load_state_dict() and torch.distributed.checkpoint (dcp.save / dcp.load), which "
                     "handle these placements"
@@ -237,7 +237,7 @@ def check_loadable(state, what: str = "load a state dict into", meta_ok: bool = 
     gives groups still on the meta device their memory first (a model state dict load is their
     init); other writers refuse them.
     """
-    from ..state import ShardState, TrainingState
+    from ..runtime.state import ShardState, TrainingState
 
     meta = [g.name for g in state.groups if not g.allocated]
     if meta and not meta_ok:  # writing into meta shards would drop the values without a word

@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..placement import chunk_rows, wrap_local
+from ..dtensors.placement import chunk_rows, wrap_local
 from ._common import full_of, global_rows, mesh_rank, relabel_rows, row_range
 
 __all__ = ["split_fused", "join_fused", "split_swiglu", "join_swiglu"]

@@ -33,7 +33,7 @@ Parameters on other layouts -- ``no_shard`` (``Replicate``), HSDP (``(Replicate,
 FSDP x TP (``(tp placement, RowShard)`` on a (tp, dp) mesh) -- take one generic path: saving rebuilds
 the entry with the parameter's own mesh and placements, loading slices a full tensor at the offsets
 ``compute_local_shape_and_global_offset`` derives from those placements and the *global* shape.
-The same path takes parameters sharded on a dim other than 0 (``RowShard(d)``, :mod:`mfsdp2.shard_dim`).
+The same path takes parameters sharded on a dim other than 0 (``RowShard(d)``, :mod:`mfsdp2.dtensors.shard_dim`).
 A source DTensor is read locally only when its placements put the same elements on every rank:
 ``RowShard`` compares equal to a plain ``Shard`` of its dim, but FSDP2's ``torch.chunk`` rows are
 ours only by chance.
@@ -55,7 +55,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..placement import RowShard, communicable, wrap_local
+from ..dtensors.placement import RowShard, communicable, wrap_local
 from ._common import check_loadable, full_of, global_rows, mark_write_nothing, relabel_rows, row_range
 
 __all__ = ["register_state_dict_hooks", "mark_empty_pieces"]
@@ -97,7 +97,7 @@ def _own_entries(module: nn.Module, prefix: str):
                     continue  # replaced since fully_shard: the module's own object is the entry
                 if info.fqn.startswith(tag):
                     if rows is None:
-                        # A pending value (mfsdp2.param_adoption: a replaced parameter, not yet in
+                        # A pending value (mfsdp2.frontend.param_adoption: a replaced parameter, not yet in
                         # the group's rows) is described by its own placement.
                         pending = i in g.pending and not _generic(dp)
                         rows = dp.placements[0].rows if pending else g.layout.rows_per_rank(i)

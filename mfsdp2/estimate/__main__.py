@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from mfsdp2.mixed_precision import MixedPrecisionPolicy
+    from mfsdp2.precision.mixed_precision import MixedPrecisionPolicy
 
     from . import estimate_memory
 

@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ..mixed_precision import MixedPrecisionPolicy
-from ..strategy import ShardingStrategy
+from ..precision.mixed_precision import MixedPrecisionPolicy
+from ..frontend.strategy import ShardingStrategy
 from .plan import OPTIMIZERS, UnitsArg, _itemsize, optimizer_temp_bytes, persistent_bytes, plan_units, resolve_units
 from .report import AT_PEAK_ORDER, MemoryEstimate, _ROLE_CATEGORY
 from .held import ALLOCATORS

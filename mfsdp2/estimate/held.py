@@ -10,7 +10,7 @@ when"; ``mfsdp2/trace_pool.py``). A copy of those rules here would drift from th
 replay drives the runtime's own allocator classes with the step's requests and phase marks, on
 the meta device: every decision is theirs, no byte is allocated, and what they hold at a moment
 is their own count -- live blocks (``stats.live_bytes``) plus what they hold idle
-(``idle_bytes()``), the same two numbers :mod:`mfsdp2.memory_bound` measures a real step with.
+(``idle_bytes()``), the same two numbers :mod:`mfsdp2.memory.memory_bound` measures a real step with.
 
 The one thing the meta device changes is where a block would live: the caching allocator asks
 ``keeps(device, nbytes)`` of the freed block's device, so the replay's allocator answers for the
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..allocator import BucketAllocator, CachingAllocator, DynamicAllocator
-from ..trace_pool import TracePoolAllocator
+from ..memory.allocator import BucketAllocator, CachingAllocator, DynamicAllocator
+from ..memory.trace_pool import TracePoolAllocator
 
 __all__ = ["ALLOCATORS", "META", "replay_allocator", "held_bytes"]
 

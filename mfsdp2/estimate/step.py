@@ -38,14 +38,14 @@ from typing import Optional
 
 import torch
 
-from ..strategy import ShardingStrategy
+from ..frontend.strategy import ShardingStrategy
 from .held import META, held_bytes, replay_allocator
 from .plan import UnitPlan, _itemsize
 from .trace import Mark
 
 __all__ = ["StepConfig", "Point", "ReplayedStep", "simulate", "transient_at_peak", "default_marks"]
 
-SMALL_REDUCE_SCATTER_BYTES = 256 * 1024  # mfsdp2.comm's threshold (imported lazily to keep this pure)
+SMALL_REDUCE_SCATTER_BYTES = 256 * 1024  # mfsdp2.comm.communicator's threshold (imported lazily to keep this pure)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..mixed_precision import MixedPrecisionPolicy
+from ..precision.mixed_precision import MixedPrecisionPolicy
 
 __all__ = ["Mark", "StepTrace", "trace_step"]
 

@@ -86,7 +86,7 @@ def _sharder(use_fsdp2: bool) -> tuple[Callable[..., Any], Any]:
 
         return fully_shard, None
     from mfsdp2 import fully_shard
-    from mfsdp2.comm import comm_stats
+    from mfsdp2.comm.communicator import comm_stats
 
     return fully_shard, comm_stats
 

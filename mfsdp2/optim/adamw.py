@@ -29,7 +29,7 @@ group's flags, on their (possibly DTensor) tensors: the same result as ``torch.o
 
 State: torch AdamW's per-parameter format (``step``, ``exp_avg``, ``exp_avg_sq``,
 ``max_exp_avg_sq`` as DTensors like the parameters; :mod:`mfsdp2.optim.flat_state`), so
-``state_dict()`` / ``load_state_dict``, DCP and DSD (``mfsdp2.state_dict`` and torch's) exchange
+``state_dict()`` / ``load_state_dict``, DCP and DSD (``mfsdp2.checkpoint.state_dict`` and torch's) exchange
 checkpoints with ``torch.optim.AdamW`` on mfsdp2, FSDP2 or an unsharded model, both ways.
 ``GradScaler``: the step takes no ``grad_scale`` (``_step_supports_amp_scaling`` is False), so
 the scaler unscales the gradients and skips non-finite steps itself.
@@ -42,8 +42,8 @@ from typing import Callable, Optional, Union
 import torch
 from torch.optim.adam import adam as _adam
 
-from ..clip_grad import clip_grad_norm_
-from ..param_group import live_groups
+from ..integrations.clip_grad import clip_grad_norm_
+from ..memory.param_group import live_groups
 from .flat_state import FlatState
 from .kernel import NativeStep, _module, native_arithmetic, torch_step
 from .overlap import StepInBackward

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch.optim.adam import adam as _adam
 
-from .. import native
+from ..precision import native
 
 __all__ = ["NativeStep", "native_arithmetic", "torch_step"]
 

@@ -9,8 +9,8 @@ one is issued -- so their steps can run beside the earlier layers' backward: on 
 device computes, on the CPU on a worker thread while the main thread runs autograd (torch's kernels
 and the native AdamW kernel release the GIL).
 
-How (see docs/design.md, *CPU offload*): the optimizer puts a listener on each offloaded
-:class:`~mfsdp2.param_group.ParameterGroup` holding its parameters
+How (see docs/offload.md, *Step in backward*): the optimizer puts a listener on each offloaded
+:class:`~mfsdp2.memory.param_group.ParameterGroup` holding its parameters
 (``GradientReduction.grad_listeners``). When a group's reduction lands (``grad_landed``) and it is
 *final* -- issued in a backward with ``is_last_backward`` on, with no other forward pass of the unit
 still awaiting its backward (``hooks.post_backward`` sets ``reduce_final``) -- a job on one worker
@@ -60,9 +60,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import offload
-from ..profiling import event_log
-from ..weight_watch import _words
+from ..memory import offload
+from ..runtime.profiling import event_log
+from ..memory.weight_watch import _words
 
 __all__ = ["StepInBackward", "StepInBackwardError"]
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
-from mfsdp2.comm import comm_stats
+from mfsdp2.comm.communicator import comm_stats
 
 from . import assert_same_snapshots, mean_loss, runtimes, snapshot
 from .._dist import run_ranks

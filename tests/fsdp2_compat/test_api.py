@@ -309,8 +309,8 @@ def _ag_count(lib: str) -> int:
 
 def _torch_rank(rank, ws, kinds):
     """FSDP2 with its all-gathers counted (``dist.all_gather_single`` on torch 2.13,
-    ``all_gather_into_tensor`` before: see mfsdp2.compat)."""
-    from mfsdp2 import compat
+    ``all_gather_into_tensor`` before: see mfsdp2.integrations.compat)."""
+    from mfsdp2.integrations import compat
 
     name = compat.all_gather_name()
     orig = getattr(dist, name)

@@ -28,7 +28,7 @@ def test_every_public_fsdp2_method_and_keyword_exists():
     assert kw - set(inspect.signature(mfsdp2.fully_shard).parameters) == set()
     for name in ("register_fsdp_forward_method", "share_comm_ctx", "UnshardHandle", "fully_shard"):
         assert hasattr(mfsdp2, name)
-    from mfsdp2.module import fully_shard as via_module
+    from mfsdp2.frontend.module import fully_shard as via_module
 
     assert via_module is mfsdp2.fully_shard
 

@@ -5,15 +5,15 @@ with gradient accumulation (sync on the last micro-batch only), with the tuned a
 (no reshard after backward between micro-batches), and with a grouped unit ``fully_shard([a, b])``
 (gathered and reduced once per pass, not once per module). FSDP2's are counted at the
 ``torch.distributed`` functions it calls, in the same process; ours with
-:data:`mfsdp2.comm.comm_stats` (on gloo our reduce-scatter is point-to-point sends, which a count
+:data:`mfsdp2.comm.communicator.comm_stats` (on gloo our reduce-scatter is point-to-point sends, which a count
 at ``torch.distributed`` would not see as one collective).
 
-Nothing beyond FSDP2's: the gradient-presence agreement (``mfsdp2.grad_presence``) is one small
+Nothing beyond FSDP2's: the gradient-presence agreement (``mfsdp2.runtime.grad_presence``) is one small
 all-reduce per step only where ``set_reduce_scatter_unused_params(True)`` asks for it
-(tests/test_grad_presence.py counts both).
+(tests/runtime/test_grad_presence.py counts both).
 
 One documented difference: on gloo a small unit's reduce-scatter is an all-reduce of its whole
-flat gradient, so such units share bucketed all-reduces (``mfsdp2.grad_buckets``, 25 MiB like
+flat gradient, so such units share bucketed all-reduces (``mfsdp2.comm.grad_buckets``, 25 MiB like
 DDP's). FSDP2's contract is checked with the buckets off (``set_all_reduce_bucket_cap_mb(0)``),
 and the bucketed counts beside it: the same all-gathers, no reduce-scatter, one all-reduce for all
 of this small model's units.
@@ -26,9 +26,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 import torch.distributed as dist
 
-from mfsdp2 import compat
+from mfsdp2.integrations import compat
 from mfsdp2 import fully_shard as mfsdp2_shard
-from mfsdp2.comm import comm_stats
+from mfsdp2.comm.communicator import comm_stats
 
 from .._dist import run_ranks
 from ..models import F64, batch, build, loss_fn, make_opt

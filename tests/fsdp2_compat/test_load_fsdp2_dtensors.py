@@ -6,7 +6,7 @@ mismatch, or a silent broadcast where a piece had one row. The values must be FS
 for full tensor (world size 4, mesh (2, 2); float64, exact).
 
 The same mesh trains with ``shard_placement_fn`` sharding every matrix on dim 1
-(mfsdp2.shard_dim: ``(Replicate, RowShard(1))``) as FSDP2 does with the same function: losses,
+(mfsdp2.dtensors.shard_dim: ``(Replicate, RowShard(1))``) as FSDP2 does with the same function: losses,
 parameters and AdamW states after two steps (``REL_F64``)."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
 * plain ``load_state_dict(sharded_sd, assign=True)`` of another sharded model's ``state_dict()``
   (DTensors): torch FSDP2's (``torch.chunk`` rows) and mfsdp2's (row-aligned rows of another unit
   structure, so other rows than the target's);
-* the same through mfsdp2's own ``mfsdp2.state_dict.set_model_state_dict`` (broadcast from rank 0).
+* the same through mfsdp2's own ``mfsdp2.checkpoint.state_dict.set_model_state_dict`` (broadcast from rank 0).
 
 Each for ZeRO-3 and ZeRO-2 (and ``no_shard`` for the DSD path, whose entries are ``Replicate``):
 the optimizer is created after the load (as FSDP2 needs: its load replaces the parameter objects)
@@ -73,7 +73,7 @@ def _accelerate(model, full_sd, rank):
 
 
 def _ours(model, full_sd, rank):
-    from mfsdp2 import state_dict as msd
+    from mfsdp2.checkpoint import state_dict as msd
 
     sd = {k: v.clone() for k, v in full_sd.items()} if rank == 0 else {}
     msd.set_model_state_dict(model, sd, options=msd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

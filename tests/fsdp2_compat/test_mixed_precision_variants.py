@@ -37,9 +37,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp2 import compat
-from mfsdp2.comm import Communicator
-from mfsdp2.grad_buckets import GradientBuckets
+from mfsdp2.integrations import compat
+from mfsdp2.comm.communicator import Communicator
+from mfsdp2.comm.grad_buckets import GradientBuckets
 
 from . import assert_same_snapshots, mean_loss, runtimes, snapshot
 from .._dist import run_ranks

@@ -1,5 +1,5 @@
 """CPU offload (FSDP2's ``CPUOffloadPolicy``): main weights, gradients and optimizer states in
-host memory, the optimizer step on the CPU (mfsdp2/offload.py).
+host memory, the optimizer step on the CPU (mfsdp2/memory/offload.py).
 
 On a CPU mesh mfsdp2 runs the offload code path anyway -- main and model storage distinct, no
 reduce-scatter into the main gradient, copy-out after each reduction, norms summed over the host
@@ -29,7 +29,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from . import mean_loss, sharded_pair, snapshot, assert_same_snapshots
 from .test_dsd import GET_OPTIONS, _assert_same, _describe, _fqn_optim
 from .._dist import run_ranks
-from ..test_tp import _build as tp_build
+from ..integrations.test_tp import _build as tp_build
 from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, shard_blocks
 
 STEPS, GB = 3, 8
@@ -155,7 +155,7 @@ def _accumulate_vs_fsdp2(rank, ws, mesh):
 
 def _bucketed_accumulation(rank, ws, mesh):
     """no_shard / ZeRO-1 with offload, two synced backwards per step: both reductions go
-    through the shared all-reduce buckets (mfsdp2/grad_buckets.py), the first copied out of its
+    through the shared all-reduce buckets (mfsdp2/comm/grad_buckets.py), the first copied out of its
     bucket slice into the host main grad, the second added to it."""
     out = {}
     for strategy in ("optim", "no_shard"):
@@ -243,8 +243,8 @@ def _conversions(rank, ws, mesh):
 
 def _meta_offload(rank, ws, mesh):
     """A model built on the meta device and sharded with offload keeps everything on meta (no
-    host or device bytes; tests/test_meta_init.py counts them without offload) until its init, then gets host main state: ``mfsdp2.materialize``
-    (the normal build's draw, see tests/test_meta_init.py) then ``.to(float64)`` (groups rebuilt
+    host or device bytes; tests/frontend/test_meta_init.py counts them without offload) until its init, then gets host main state: ``mfsdp2.materialize``
+    (the normal build's draw, see tests/frontend/test_meta_init.py) then ``.to(float64)`` (groups rebuilt
     on the host), or FSDP2's ``to_empty(device="cpu")`` and a ``copy_`` init. ZeRO-3, and the
     persistent strategies, whose main weights never share the model buffer under offload."""
     import mfsdp2
@@ -522,7 +522,7 @@ def test_policy_puts_main_state_in_host_memory_whatever_the_compute_device():
     CUDA exists; no offload for ``OffloadPolicy()``; a wrong type named with the unit."""
     from torch.distributed.fsdp import OffloadPolicy
 
-    from mfsdp2.offload import main_memory_for
+    from mfsdp2.memory.offload import main_memory_for
 
     cpu = torch.device("cpu")
     for compute in (cpu, torch.device("cuda", 0)):

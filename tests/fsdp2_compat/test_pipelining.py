@@ -12,7 +12,7 @@ the step's gradient is the unsharded model's gradient of the mean loss over the 
 Stages: torch's ``PipelineStage`` treats an mfsdp2 stage as a plain module (mfsdp2 units are not
 torch ``FSDPModule`` instances; docs/design.md "Pipeline parallelism"): every micro-batch's backward
 reduces, so the test also counts the collectives -- n_microbatches times FSDP2's reduce-scatters.
-``mfsdp2.pipelining.PipelineStage`` gives FSDP2's counts and runs the zero-bubble schedules.
+``mfsdp2.integrations.pipelining.PipelineStage`` gives FSDP2's counts and runs the zero-bubble schedules.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as FSDP2Module
 
-from mfsdp2.comm import comm_stats
+from mfsdp2.comm.communicator import comm_stats
 
 from . import full, runtimes
 from .._dist import run_ranks
@@ -68,7 +68,7 @@ def _train(rank, mesh, runtime, schedule, stage_cls, raf, reshard_after_backward
     ``{name: (full param, full grad)}`` before the optimizer step, and collective counts."""
     import torch.distributed.pipelining as pipelining
 
-    from mfsdp2.pipelining import PipelineStage as Mfsdp2Stage
+    from mfsdp2.integrations.pipelining import PipelineStage as Mfsdp2Stage
 
     shard = runtimes()[runtime]
     dp_mesh = mesh["dp"]
@@ -250,7 +250,7 @@ def test_what_pipelining_cannot_do_is_refused():
     outs = run_ranks(_refusals, 2, timeout=300)
     for rank, out in enumerate(outs):
         name, msg = out.get("torch_stage", (None, ""))
-        assert name == "UnreducedGradientsError" and "mfsdp2.pipelining.PipelineStage" in msg, (rank, out)
+        assert name == "UnreducedGradientsError" and "mfsdp2.integrations.pipelining.PipelineStage" in msg, (rank, out)
         assert "resharding_units" in out, (rank, out)
     refused = [out["resharding_units"] for out in outs if out["resharding_units"][0] == "ValueError"]
     assert refused and all("reshard_after_forward=False" in msg for _, msg in refused), outs

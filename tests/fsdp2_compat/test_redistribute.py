@@ -35,7 +35,7 @@ def _rank(rank, ws):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from mfsdp2 import RowShard
-    from mfsdp2.placement import chunk_rows
+    from mfsdp2.dtensors.placement import chunk_rows
     from mfsdp2 import fully_shard
 
     mesh = init_device_mesh("cpu", (ws,))

@@ -1,4 +1,4 @@
-"""``shard_placement_fn`` returning ``Shard(d)`` with ``d != 0`` (mfsdp2.shard_dim), side by side
+"""``shard_placement_fn`` returning ``Shard(d)`` with ``d != 0`` (mfsdp2.dtensors.shard_dim), side by side
 with torch FSDP2 given the same function in the same process, and the unsharded model.
 
 Models (float64): torchtitan's MoE shape -- expert weights ``(experts, dim, hidden)`` in their own
@@ -15,7 +15,7 @@ values; DCP checkpoints (model and optimizer through torch's DSD) written by eit
 into either, and the next step equals the writer's own next step; ``copy_`` into such a parameter
 from a full tensor, a ``Replicate`` or a ``Shard(d)`` DTensor; a dim whose size does not divide
 by the world size (FSDP2 refuses it) trains as the unsharded model; meta build + ``materialize``
-equals the normal build; ``model.to(float32)`` keeps the layout; the ``mfsdp2.state_dict``
+equals the normal build; ``model.to(float32)`` keeps the layout; the ``mfsdp2.checkpoint.state_dict``
 helpers refuse such models (E43) and tensor-parallel parameters refuse ``Shard(1)`` (E46);
 ``load_state_dict`` of FSDP2's ``Shard(d)`` DTensors gives FSDP2's values.
 """
@@ -218,7 +218,7 @@ def _facts(mesh, rank: int) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import mfsdp2
-    from mfsdp2 import state_dict as msd
+    from mfsdp2.checkpoint import state_dict as msd
 
     out = {}
     base = _build("moe")

@@ -1,0 +1,117 @@
+"""Whether a :class:`~mfsdp2.memory.param_group.ParameterGroup`'s gathered weights are stale: what
+its host knows of writes to the main weights since the last gather, and what every gather
+records.
+
+Persistent weights (ZeRO-1/2, no_shard) are gathered once and reused until the main weights
+change; ZeRO-3 gathers every time but must still re-cast. Host facts answer first -- an
+optimizer step or an announced write (``changed``, the same on every rank) and a moved version
+counter -- and, for persistent groups, a fingerprint of the main shard's content catches writes
+through ``.data`` that bump no counter. The ranks agree on the answer at the root's forward
+(:func:`mfsdp2.memory.weight_watch.agree_on_gathers`), so every rank issues the same gathers.
+
+``WeightChanges`` is a mixin over the group's state set up by ``ParameterGroup.__init__``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .offload import copy_from_main
+from .weight_watch import fingerprint
+
+__all__ = ["WeightChanges"]
+
+
+class WeightChanges:
+    """Change detection of a group's main weights and the bookkeeping of each gather (mixed into
+    :class:`~mfsdp2.memory.param_group.ParameterGroup`)."""
+
+    def main_version(self) -> int:
+        """Grows whenever anything writes the main weights in place (optimizer, loading)."""
+        # DTensor ops bump the wrapper's counter, direct writes to a local bump the local's.
+        return self.main_weight._version + sum(dp._version + dp._local_tensor._version for dp in self.dist_params)
+
+    def refresh_model_shard(self) -> None:
+        """Cast main -> model weights into a persistent buffer's local slice (persistent groups
+        whose compute dtype differs). Done by every gather, the slice's only reader: the main
+        weights are written by inits, loads and steps the group cannot all see, so a cast made
+        earlier (at construction) could be stale by then."""
+        if not self._needs_cast:
+            return
+        with torch.no_grad():
+            copy_from_main(self.weights.shard, self.main_weight)  # offloaded: non-blocking from pinned memory
+        self.casts += 1
+
+    def mark_changed(self) -> None:
+        """The main weights were (or may have been) written: re-cast and re-gather before the
+        next use. Called on every rank (optimizer-step hook, ``mark_weights_changed``, loading)."""
+        self.changed = True
+
+    def changed_flag(self, one: torch.Tensor) -> torch.Tensor:
+        """0-dim device float: 1 when this rank sees a change since the last gather. Host facts
+        (a step, an announced write, a moved version counter) answer without touching the device;
+        otherwise the main shard's fingerprint is compared on the device (no host read here)."""
+        if self.host_changed() or self._gathered_fp is None:
+            return one
+        return (fingerprint(self.main_weight) != self._gathered_fp).any().to(one.dtype)
+
+    @property
+    def fingerprinted(self) -> bool:
+        """Persistent weights whose content is compared at each root forward (a write through
+        ``.data`` bumps no counter). Not when the module computes with the main weights' own
+        memory -- ``no_shard`` with equal main and compute dtypes: a shard group of one rank, the
+        main weights *are* the full buffer -- where such a write is what the module reads anyway
+        and nothing is re-cast or re-gathered: the fingerprint (a pass over all weights per
+        step) would buy nothing."""
+        return self.persistent and self.content_check and (self.comm.world_size > 1 or self._needs_cast)
+
+    def host_changed(self) -> bool:
+        """A change this rank's host knows of: a step, an announced write, a moved version counter."""
+        return self.changed or self.main_version() != self.gathered_version
+
+    @property
+    def compares_on_device(self) -> bool:
+        """Whether the content fingerprint is compared on the compute device (agreed over the
+        device group): :attr:`fingerprinted` groups whose main weights are compute memory.
+        Offloaded main weights (host memory) are fingerprinted on the host (:meth:`host_flag`)."""
+        return self.fingerprinted and not self.main.offloaded
+
+    def host_flag(self) -> bool:
+        """What this rank's host can tell without reading device memory: :meth:`host_changed`,
+        and, for :attr:`fingerprinted` main weights in host memory (CPU offload), whether the
+        main shard's fingerprint moved (a CPU computation)."""
+        if self.host_changed():
+            return True
+        if not (self.main.offloaded and self.fingerprinted):
+            return False
+        return self._gathered_fp is None or bool((fingerprint(self.main_weight) != self._gathered_fp).any())
+
+    def begin_gather(self, fp: Optional[torch.Tensor] = None) -> None:
+        """What every gather of the model weights starts with (its own or a bucket's). A gather
+        happens because the main weights changed (persistent groups: ``stale``; ZeRO-3 casts
+        inside the gather): re-cast the model shard every time. Deferring it to "the gather after
+        the next" missed writes made after the last cast -- an init after ``to_empty`` -- and
+        computed with the cast of uninitialised memory. ``fp``: the main shard's fingerprint,
+        when the caller took it already (a bucket takes its members' in one batch)."""
+        self.refresh_model_shard()
+        self.gathered_version = self.main_version()
+        self.changed = self.agreed_stale = False
+        if self.fingerprinted:
+            self._gathered_fp = fp if fp is not None else fingerprint(self.main_weight)
+
+    @property
+    def stale(self) -> bool:
+        """True when the weights changed after the last gather.
+
+        Persistent weights: the answer agreed at the root's forward (version counters and the
+        fingerprint, MAX over ranks) or a signal every rank gets (optimizer step, announced write).
+        Local version counters are not consulted between root forwards: a rank holding no rows
+        would decide differently and the ranks would issue different collectives. ZeRO-3 groups
+        ask this only while gathered (kept across a step, or an in-flight ``unshard``). A group
+        whose rows are still to come from a cross-unit bucket (:attr:`pending_gather`) counts as
+        stale too: its next ``unshard`` must hand out the bucket's handle, not skip the wait."""
+        if self.persistent:
+            return self.agreed_stale or self.changed or self.pending_gather is not None
+        return self.changed or self.main_version() != self.gathered_version

@@ -1,0 +1,1 @@
+"""Tests of mfsdp2/estimate/ (one folder's units; behaviour against FSDP2 is in tests/fsdp2_compat/)."""

@@ -1,0 +1,1 @@
+"""Tests of mfsdp2/memory/ (one folder's units; behaviour against FSDP2 is in tests/fsdp2_compat/)."""
