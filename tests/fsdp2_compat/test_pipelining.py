@@ -28,6 +28,7 @@ from mfsdp2.comm import comm_stats
 
 from . import full, runtimes
 from .._dist import run_ranks
+from .._pipeline_stages import without_self_links
 from ..models import F64, REL_F64, assert_close_rel, batch, build, loss_fn, make_opt
 from .test_comm_counts import _counting
 
@@ -61,24 +62,6 @@ def _schedule_class(name: str):
     return getattr(pipelining, name)
 
 
-def _without_self_links(stage_cls):
-    """``stage_cls`` without the link warm-up messages a stage sends to a neighbouring stage on
-    its own rank. torch 2.11's schedules open the pipeline's links at the first step by one
-    batched exchange with each neighbouring stage (``_get_init_p2p_neighbors_ops``), a stage's
-    neighbour on the same rank included (the V-shaped schedules place stages 1 and 2 on rank 1);
-    gloo cannot send to its own rank ("Pair is not connected"), so there torch's V-shaped
-    schedules fail on CPU with any stage module, FSDP2's and plain ones too. Those messages open
-    no link (nothing goes over the wire between two stages of one rank), so dropping them changes
-    nothing else; torch 2.13 warms up through a vote that never calls this method."""
-
-    class Stage(stage_cls):
-        def _get_init_p2p_neighbors_ops(self):
-            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
-
-    Stage.__name__ = Stage.__qualname__ = stage_cls.__name__
-    return Stage
-
-
 def _stage_ids(schedule: str, pp_rank: int) -> tuple[int, list[int]]:
     """``(number of stages, this pipeline rank's stages)``: one per rank for single-stage
     schedules, looped (r, r + PP) or V-shaped (r, 2 PP - 1 - r) for the others."""
@@ -103,7 +86,7 @@ def _train(rank, mesh, runtime, schedule, stage_cls, raf, reshard_after_backward
     net = build("net", dtype=F64)
     pieces = _pieces(net, n_stages)
     kw = {} if raf is None else {"reshard_after_forward": raf}
-    cls = _without_self_links(Mfsdp2Stage if stage_cls == "mfsdp2" else pipelining.PipelineStage)
+    cls = without_self_links(Mfsdp2Stage if stage_cls == "mfsdp2" else pipelining.PipelineStage)
     stages = []
     for i in mine:
         for m in pieces[i]:
