@@ -80,7 +80,12 @@ def _facts(shard, mesh, rank):
         k: sorted((fp._param_fqn, tuple(fp._orig_size), fp.sharded_param is params[fp._param_fqn]) for fp in g.fsdp_params)
         for k, g in groups.items()
     }
-    out["n_groups"] = {k: len(s._fsdp_param_groups) for k, s in states.items()}
+    # torch 2.11's FSDP2 state has only ``_fsdp_param_group`` (one group per unit, or None); its
+    # group count is read from that there, and mfsdp2's list still has to agree with it.
+    out["n_groups"] = {
+        k: len(s._fsdp_param_groups) if hasattr(s, "_fsdp_param_groups") else int(s._fsdp_param_group is not None)
+        for k, s in states.items()
+    }
     mi = groups["root"].mesh_info
     out["mesh_info"] = (mi.mesh == mesh, mi.shard_mesh_size, mi.shard_mesh_rank == rank)
     seen = []
@@ -122,6 +127,11 @@ def test_state_accessor_answers_like_fsdp2():
         ours, theirs = r["mfsdp2"], r["fsdp2"]
         for key in theirs:
             if key in ("losses", "weights", "sharded_sizes"):
+                continue
+            if key == "all_states":
+                # torch 2.11's FSDP2 lists a unit of several modules once per module (torch 2.13
+                # lists each state once): compared as the states in order, each once.
+                assert ours[key] == list(dict.fromkeys(theirs[key])), (key, ours[key], theirs[key])
                 continue
             assert ours[key] == theirs[key], (key, ours[key], theirs[key])
         assert theirs["not_units"] == [True, True, True] and theirs["distinct"] == 4
