@@ -21,7 +21,9 @@ import io
 import os
 import random
 import socket
+import time
 import traceback
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -124,16 +126,34 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
         p.start()
     results: dict[int, object] = {}
     errors = []
+    deadline = time.monotonic() + timeout
+    dead_since: dict[int, float] = {}
     try:
-        for _ in range(world_size):
-            rank, ok, payload = queue.get(timeout=timeout)
+        while len(results) < world_size:
+            try:
+                rank, ok, payload = queue.get(timeout=1.0)
+            except Empty:
+                now = time.monotonic()
+                if now > deadline:
+                    errors.append(f"timed out after {timeout}s waiting for ranks; got {sorted(results)}")
+                    break
+                # A rank that died without reporting (a crash in C++, glibc's abort, the OOM killer)
+                # fails the launch now instead of at the timeout; the grace lets a result its
+                # exiting process already queued arrive first.
+                for r, p in enumerate(procs):
+                    if r not in results and p.exitcode is not None:
+                        dead_since.setdefault(r, now)
+                gone = [r for r, t in dead_since.items() if now - t > 3.0 and r not in results]
+                if gone:
+                    errors.append("; ".join(f"rank {r} exited with code {procs[r].exitcode} without a result" for r in gone)
+                                  + f" (got {sorted(results)})")
+                    break
+                continue
             if ok:
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank}:\n{payload}")
                 break
-    except Exception as e:  # queue.Empty on timeout
-        errors.append(f"timed out after {timeout}s waiting for ranks ({type(e).__name__}); got {sorted(results)}")
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)

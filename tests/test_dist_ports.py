@@ -25,3 +25,28 @@ def test_a_held_store_keeps_its_port():
     with socket.socket() as s, pytest.raises(OSError):
         s.bind(("127.0.0.1", store.port))  # nobody else can take it while the store lives
     del store
+
+
+def _rank1_dies(rank, ws):
+    import os
+    import time
+
+    if rank == 1:
+        os._exit(3)  # no exception, no report: as a C++ crash or glibc's abort leaves it
+    time.sleep(60)  # rank 0 would wait on rank 1 in a collective
+    return rank
+
+
+def test_a_rank_that_dies_without_a_result_fails_the_launch_at_once():
+    """run_ranks notices a rank process that exited without reporting instead of waiting out its
+    timeout (a crashed rank otherwise costs the whole timeout, 600 s for the slow tests)."""
+    import time
+
+    import pytest
+
+    from ._dist import run_ranks
+
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 1 exited with code 3 without a result"):
+        run_ranks(_rank1_dies, 2, timeout=120)
+    assert time.monotonic() - t0 < 45
