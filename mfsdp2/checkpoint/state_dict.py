@@ -34,7 +34,7 @@ above.
 
 Typical use::
 
-    from mfsdp2 import state_dict as msd
+    from mfsdp2.checkpoint import state_dict as msd
 
     model_sd, optim_sd = msd.get_state_dict(model, optim)
     msd.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=path)

@@ -222,7 +222,7 @@ def test_only_the_running_torchs_module_is_looked_for(fresh_loader):
 
 
 def test_environment_variable_forces_the_references():
-    code = ("import torch; from mfsdp2 import native; assert not native.available(); "
+    code = ("import torch; from mfsdp2.precision import native; assert not native.available(); "
             "q = torch.empty(2, dtype=torch.uint8); "
             "native.quantise_fp8(torch.tensor([2.0, -0.5]), q, native.Segments([0], [2]), torch.ones(1), torch.float8_e5m2); "
             "assert q.view(torch.float8_e5m2).float().tolist() == [2.0, -0.5]")

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
 dist.init_process_group("gloo")
-from mfsdp2 import fully_shard, profiling
+from mfsdp2 import fully_shard
+from mfsdp2.runtime import profiling
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
 mesh = init_device_mesh("cpu", (1,))
 fully_shard(model[0], mesh=mesh)
