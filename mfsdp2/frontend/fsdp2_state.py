@@ -33,13 +33,20 @@ optimizer-facing DTensor parameter object itself --, ``_param_fqn`` from the roo
 ``shard_process_group``, ``replicate_mesh_size``), ``_training_state``, ``is_sharded`` and
 ``is_unsharded``. mfsdp2's own groups stay at ``state.groups``.
 
-Not provided (reading them raises ``AttributeError``): the parts of FSDP2's state that *drive* FSDP2's
-machinery -- ``post_backward()`` of a group (torch's pipeline schedules call it; use
-:class:`mfsdp2.integrations.pipelining.PipelineStage`), ``_comm_ctx`` streams, ``post_forward_mesh_info``,
-padded sizes and all-gather input buffers. Writing them would change nothing in mfsdp2, so
-they are absent rather than silently ignored.
+Calls that drive the runtime: ``_pre_forward`` / ``_post_forward`` (what torch's
+``register_fsdp_forward_method`` wraps a method in) run the unit's forward hooks, and the two
+calls torch's pipeline stages make at the schedule's REDUCE_GRAD
+action: a group view's ``post_backward()`` reduces the unit's gradients accumulated with gradient
+sync off (:func:`mfsdp2.runtime.hooks.reduce_accumulated`), and the state's
+``_root_post_backward_final_callback()`` finishes every reduction under the root and reshards
+(:func:`mfsdp2.runtime.hooks.finish_backward`), so torch's own ``PipelineStage`` reduces an mfsdp2
+stage once per step, as it does an FSDP2 one.
 
-The actions (lazy init) live above this file in the import order; ``fully_shard`` passes them in
+Not provided (reading them raises ``AttributeError``): the rest of what drives FSDP2's machinery --
+``_comm_ctx`` streams, ``post_forward_mesh_info``, padded sizes and all-gather input buffers.
+Writing them would change nothing in mfsdp2, so they are absent rather than silently ignored.
+
+The actions live above this file in the import order; ``fully_shard`` passes them in
 (:func:`bind_runtime`), as ``RootContext`` is passed its schedule.
 """
 
@@ -63,9 +70,10 @@ logger = logging.getLogger(__name__)
 _RUNTIME: dict[str, Callable] = {}
 
 
-def bind_runtime(*, lazy_init: Callable[[Any], None]) -> None:
-    """Called once by :mod:`mfsdp2.fully_shard` with the runtime's lazy init."""
-    _RUNTIME["lazy_init"] = lazy_init
+def bind_runtime(**actions: Callable) -> None:
+    """Called once by :mod:`mfsdp2.frontend.fully_shard` with the runtime's actions: ``lazy_init``,
+    ``reduce_accumulated``, ``finish_backward``, ``pre_forward`` and ``post_forward``."""
+    _RUNTIME.update(actions)
 
 
 def _fsdp2_training_state(ours):
@@ -207,6 +215,11 @@ class ParamGroupView:
     def is_unsharded(self) -> bool:
         return self._state.shard_state.name == "UNSHARDED"
 
+    def post_backward(self) -> None:
+        """FSDP2's: reduce the gradients the unit accumulated with gradient sync off, now (torch's
+        pipeline stages call it at REDUCE_GRAD, then the root's final callback)."""
+        _RUNTIME["reduce_accumulated"](self._state)
+
     def __repr__(self) -> str:
         return f"ParamGroupView({self._state.name!r}, {len(self.fsdp_params)} params)"
 
@@ -261,6 +274,25 @@ class FSDP2StateNames:
         if len(handles) == 1:
             return handles[0][which]
         return _MultiHandle(tuple(h for pair in handles for h in pair))
+
+    def _root_post_backward_final_callback(self) -> None:
+        """FSDP2's end of a backward, which torch's pipeline stages call at REDUCE_GRAD after each
+        group's ``post_backward()``: finish every reduction under this unit's root, expose the
+        gradients, reshard per the units' flags. Nothing to do before the first forward."""
+        if self.ctx is not None:
+            _RUNTIME["finish_backward"](self.ctx)
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        """FSDP2's pre-forward of ``module`` (one of the unit's modules): gather, cast the inputs;
+        returns ``(args, kwargs)``. torch's ``register_fsdp_forward_method`` calls it around a
+        method other than ``forward`` (e.g. ``generate``)."""
+        return _RUNTIME["pre_forward"](module, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """FSDP2's post-forward: reshard (per the unit's flags), cast the output, hook the backward.
+        FSDP2's signature carries no keyword arguments: tensors passed by keyword are not
+        followed into the backward (FSDP2's are not either)."""
+        return _RUNTIME["post_forward"](module, args, {}, output)
 
     def _lazy_init(self) -> None:
         """Make this unit the root of its subtree now (FSDP2's ``_lazy_init``; the first forward

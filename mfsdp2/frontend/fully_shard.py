@@ -24,9 +24,10 @@ from ..comm import devices
 from ..memory.allocator import BucketAllocator
 from ..comm.communicator import Communicator
 from .fsdp2_state import bind_runtime
-from ..runtime.hooks import lazy_init
+from ..runtime.hooks import finish_backward, lazy_init, reduce_accumulated
 from ..precision.mixed_precision import MixedPrecisionPolicy
 from .module import _EAGER_POST_FORWARD, _EAGER_PRE_FORWARD, FSDPModule
+from .torch_identity import register_torch_state
 from ..memory.offload import MainMemory, main_memory_for
 from ..memory.param_group import GroupConfig, ParameterGroup, ParamInfo
 from ..dtensors.shard_dim import InvalidShardDimError, shard_dims  # noqa: F401  (InvalidShardDimError: re-exported)
@@ -377,6 +378,7 @@ def _make_unit_module(module: nn.Module, state: FSDPState) -> None:
         _class_cache[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     module.__class__ = _class_cache[cls]
     module._mfsdp2_state = state
+    register_torch_state(module, state)  # torch's own fully_shard.state(module) finds it
     # The hooks run eagerly even inside a compiled module (``block.compile()`` compiles
     # ``_call_impl``, hooks included): they issue collectives, swap parameters and read host
     # state (graph-task ids, version counters) that dynamo cannot trace. FSDP2's hooks are
@@ -397,4 +399,5 @@ def _state(module: nn.Module) -> Optional[FSDPState]:
 
 
 fully_shard.state = _state
-bind_runtime(lazy_init=lazy_init)
+bind_runtime(lazy_init=lazy_init, reduce_accumulated=reduce_accumulated, finish_backward=finish_backward,
+             pre_forward=_EAGER_PRE_FORWARD, post_forward=_EAGER_POST_FORWARD)

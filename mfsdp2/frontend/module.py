@@ -23,6 +23,7 @@ from ..memory.allocator import BucketAllocator
 from ..comm.custom import CustomCommunicator
 from ..runtime.hooks import lazy_init, outside_inference_mode, post_forward, pre_forward, reset, reshard, unshard_async, wait_unshard
 from ..runtime.state import FSDPState
+from .torch_identity import check_overrides, torch_bases
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
@@ -50,8 +51,12 @@ class UnshardHandle:
             self._state = None  # as FSDP2's: keep no reference after the wait
 
 
-class FSDPModule:
-    """Mixin added to every module ``fully_shard`` was applied to (FSDP2's method names)."""
+class FSDPModule(*torch_bases()):
+    """Mixin added to every module ``fully_shard`` was applied to (FSDP2's method names).
+
+    A subclass of torch's ``FSDPModule``, so code that recognises FSDP2 units by ``isinstance``
+    (trainers, torch's pipeline stages) recognises mfsdp2's; every method torch's class defines
+    is defined here again (:mod:`mfsdp2.frontend.torch_identity`)."""
 
     _mfsdp2_state: FSDPState
 
@@ -60,7 +65,7 @@ class FSDPModule:
         # class of an existing module. Containers build new ones of their own class
         # (``nn.Sequential.__getitem__`` makes a slice with ``self.__class__(...)``); such a slice
         # was an ``FSDPSequential`` without unit state. It is a plain ``Cls``, as in FSDP2.
-        orig = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        orig = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule) and c not in torch_bases())
         obj = object.__new__(orig) if orig.__new__ is object.__new__ else orig.__new__(orig, *args, **kwargs)
         obj.__init__(*args, **kwargs)  # not an instance of ``cls``: Python would not call it
         return obj
@@ -88,7 +93,9 @@ class FSDPModule:
         this rank's rows and have the groups adopt them (see :mod:`mfsdp2.frontend.conversion`)."""
         from .conversion import apply_to_unit
 
-        return apply_to_unit(self, fn, recurse, super()._apply)
+        # The module's own class is next after torch's FSDPModule in the MRO: torch's ``_apply``
+        # (reshard, then reset FSDP2's sharded parameters) must not run on an mfsdp2 unit.
+        return apply_to_unit(self, fn, recurse, super(_LAST_MIXIN, self)._apply)
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather this unit's parameters now (e.g. to overlap with work before forward)."""
@@ -407,6 +414,13 @@ class FSDPModule:
         )
         return out
 
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Accepted (FSDP2: issue the unshard's all-gather with ``async_op=True`` on the current
+        stream). mfsdp2 issues every all-gather asynchronously already: on its side stream on
+        accelerators, as an async collective handle on the CPU; the wait is at first use."""
+        if not isinstance(async_op, bool):
+            raise TypeError(f"mfsdp2: _set_unshard_async_op takes a bool, got {type(async_op).__name__}")
+
     def _get_fsdp_state(self) -> FSDPState:
         """FSDP2's accessor of the unit state (``fully_shard.state(self)``)."""
         return self._mfsdp2_state
@@ -418,6 +432,10 @@ class FSDPModule:
         lazy_init(state)
         return state.ctx.allocator
 
+
+check_overrides(FSDPModule)  # no call on a unit reaches torch FSDP2's own implementation
+# The last FSDP class in a unit's MRO: ``super(_LAST_MIXIN, self)`` is the module's own class.
+_LAST_MIXIN = (torch_bases() or (FSDPModule,))[-1]
 
 _EAGER_PRE_FORWARD = torch._dynamo.disable(pre_forward, recursive=True)
 _EAGER_POST_FORWARD = torch._dynamo.disable(post_forward, recursive=True)

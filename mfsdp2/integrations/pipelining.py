@@ -1,29 +1,28 @@
-"""``PipelineStage`` for ``torch.distributed.pipelining`` stages holding mfsdp2 units: FSDP2's
-gradient protocol (one reduction per optimizer step, not one per micro-batch) and the schedules
-that split backward into input and weight passes (zero bubble, DualPipeV).
+"""``PipelineStage`` for ``torch.distributed.pipelining`` stages holding mfsdp2 units: the checks
+and cases torch's own stage leaves to the data-parallel library.
 
-Why a stage class of our own: torch's stages and schedules recognise FSDP2 by
-``isinstance(stage.submod, torch.distributed.fsdp.FSDPModule)``. mfsdp2 units are deliberately
-not instances of torch's class (its REDUCE_GRAD path reaches into FSDP2's private state, which
-mfsdp2 does not have: docs/design.md, "Pipeline parallelism"), so torch's own ``PipelineStage``
-treats an mfsdp2 stage as a plain module:
+mfsdp2 units are instances of torch's ``FSDPModule`` (:mod:`mfsdp2.frontend.torch_identity`), so
+torch's own ``PipelineStage`` drives a stage whose module is a unit as it drives an FSDP2 one:
+before each micro-batch's backward (full, input or weight pass) gradient sync, reshard after
+backward and last-backward are off, so unsharded gradients accumulate locally and the units stay
+gathered between a micro-batch's input and weight passes; the schedule's REDUCE_GRAD calls
+each unit's ``post_backward()`` and the root's final callback (mfsdp2's answers to FSDP2's names,
+:mod:`mfsdp2.frontend.fsdp2_state`), which reduce once per step; after the first step's metadata
+inference it reshards the units and clears their gradients.
 
-* GPipe, 1F1B, interleaved 1F1B, looped BFS: correct (FSDP2's gradients), but every micro-batch's
-  backward reduces its gradients -- one reduce-scatter per unit per micro-batch, where FSDP2
-  reduces once per step;
-* schedules with a separate weight pass (``ScheduleInterleavedZeroBubble``,
-  ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``): the weight pass assigns gradients to the
-  gathered parameters after its ``autograd.grad`` returns, where no hook of ours can reduce them.
+This class adds what torch's stage does not do:
 
-This class does for mfsdp2 units what torch's stage does for FSDP2's, through mfsdp2's public
-flags: before each micro-batch's backward (full, input or weight pass) gradient sync, reshard
-after backward and last-backward are off, so unsharded gradients accumulate locally and the
-units stay gathered between a micro-batch's input and weight passes; the schedule's
-REDUCE_GRAD (or, in a schedule without that action, the gradient scaling after the last
-backward) turns them back on and reduces once (:func:`mfsdp2.runtime.hooks.finish_backward`), then the
-gradients are scaled by the number of micro-batches as torch's stage does. After the first
-step's metadata inference it reshards the units and clears their gradients, as torch does for
-FSDP2's. Modules without mfsdp2 units behave exactly as under torch's ``PipelineStage``.
+* a stage module that is not itself a unit but holds units (torch's stage then takes its
+  plain-module path, which would reduce every micro-batch and lose a weight pass's gradients):
+  the same protocol through mfsdp2's public flags, reduced by
+  :func:`mfsdp2.runtime.hooks.finish_backward`;
+* schedules without a REDUCE_GRAD action (``PipelineScheduleMulti``'s own loop scales the
+  gradients after a stage's last backward): the accumulated gradients are reduced before they are
+  scaled (torch's stage leaves FSDP2's unreduced there);
+* split-backward schedules (zero bubble, DualPipeV) with units that reshard after forward: the
+  input pass would run without their gathered parameters and the weight pass give them no
+  gradient (torch FSDP2 computes wrong gradients in that configuration); refused (E52) with the
+  advice to shard with ``reshard_after_forward=False``.
 """
 
 from __future__ import annotations
@@ -53,8 +52,8 @@ def _units(module: nn.Module) -> list:
 
 class PipelineStage(_pipelining.PipelineStage):
     """``torch.distributed.pipelining.PipelineStage`` with the same arguments, for a stage module
-    that is (or holds) mfsdp2 units: gradients reduced once per schedule step, as torch's stage
-    does for FSDP2 modules.
+    that is (or holds) mfsdp2 units: gradients reduced once per schedule step in every schedule,
+    as torch's stage does for FSDP2 modules at REDUCE_GRAD.
 
     With a schedule that splits backward into input and weight passes, the units must keep their
     weights gathered from a micro-batch's forward to its weight pass, which later micro-batches'
@@ -103,8 +102,9 @@ class PipelineStage(_pipelining.PipelineStage):
             finish_backward(ctx)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        self._reduce_accumulated()
-        super().perform_reduce_grad(grad_scale_factor)  # torch's plain-module path: scale_grads
+        if not isinstance(self.submod, FSDPModule):
+            self._reduce_accumulated()  # torch's stage reduces a unit stage itself, not a plain one
+        super().perform_reduce_grad(grad_scale_factor)
 
     def scale_grads(self, grad_scale_factor: int) -> None:
         # Schedules without a REDUCE_GRAD action (PipelineScheduleMulti's own loop) call this after

@@ -353,6 +353,26 @@ def _cast_output(state: FSDPState, output: Any) -> Any:
 
 
 # -- backward ---------------------------------------------------------------------------------
+def _refuse_split_backward(state: FSDPState) -> None:
+    """Refuse (E52) an input-only backward pass through a unit that resharded after forward while
+    gradients accumulate with the unit kept gathered: what torch's pipeline stages do for a
+    split-backward schedule (zero bubble, DualPipeV), whose later weight pass then gives wrong
+    gradients to such units (torch FSDP2's too). Only when this backward computes no gradient
+    for any of the unit's parameters (``_will_engine_execute_node`` of their accumulators)."""
+    for g in state.groups:
+        for p in g.unsharded_params if g.requires_grad else ():
+            if p.requires_grad and torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node):
+                return
+    raise ValueError(
+        f"mfsdp2: unit {state.name!r} reshards its weights after forward, but this backward computes "
+        "only input gradients while its weight gradients are left for a later pass (a pipeline "
+        "schedule with a separate weight pass: zero bubble, DualPipeV); that weight pass would give "
+        "the unit wrong gradients. Shard the stage's modules with fully_shard(..., "
+        "reshard_after_forward=False) (or call set_reshard_after_forward(False) on them), or use a "
+        "schedule without a separate weight pass (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)"
+    )
+
+
 def _pre_backward_hook(state: FSDPState, *unused: Any) -> None:
     _pre_backward(state)
 
@@ -366,6 +386,8 @@ def _pre_backward(state: FSDPState, need_weights: Optional[bool] = None) -> None
     if need_weights is None:
         need_weights = state.unshard_in_backward
     ctx = state.ctx
+    if state.reshard_after_forward and not state.requires_gradient_sync and not state.reshard_after_backward:
+        _refuse_split_backward(state)
     if not ctx.callback_queued:
         ctx.callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))
@@ -558,6 +580,20 @@ def finish_backward(ctx: RootContext) -> None:
                            "the backward's own final callback reduces the gradients")
     ctx.callback_queued = True  # the callback clears it; a forward meanwhile would be refused
     _final_callback(ctx)
+
+
+def reduce_accumulated(state: FSDPState) -> None:
+    """Outside autograd, reduce the unit's unsharded gradients now if its gradient sync is on
+    (FSDP2's ``FSDPParamGroup.post_backward()``, which torch's pipeline stages call on each unit
+    at the schedule's REDUCE_GRAD action, before the root's final callback, :func:`finish_backward`,
+    finishes what this issued). Nothing to do before the first forward or without such gradients."""
+    if _in_backward():
+        raise RuntimeError(f"mfsdp2: post_backward() of unit {state.name!r} called inside a backward pass; "
+                           "the backward's own hooks reduce the gradients")
+    if state.ctx is None or not state.requires_gradient_sync:
+        return
+    if any(g.requires_grad and g.has_unsharded_grads() for g in state.groups):
+        post_backward(state)
 
 
 def reset(ctx: RootContext) -> None:

@@ -85,7 +85,20 @@ def test_quantise_matches_reference(table, seed, dtype, data):
     x = _values(seed, numel)
     scales = torch.tensor(data.draw(st.lists(_scales, min_size=len(segs), max_size=len(segs))), dtype=torch.float32)
     got, want = _quantise(x, segs, scales, dtype, False), _quantise(x, segs, scales, dtype, True)
+    _same_nan_sign_where_scale_is_nan(got, want, x, segs, scales)
     assert torch.equal(got, want), (got != want).nonzero()[:10].flatten().tolist()
+
+
+def _same_nan_sign_where_scale_is_nan(got, want, x, segs, scales) -> None:
+    """Where a NaN value meets a NaN scale, the product's NaN is either operand's: x86 returns the
+    first operand's, and torch's own multiply puts the scale first in its vector body and the
+    value first in its scalar tail (``x * s`` of 40 elements: the last three differ). The float8
+    NaN's sign bit is then arbitrary; both are NaN. Clear that bit there, in both."""
+    for off, n, s in zip(segs.offsets, segs.lengths, scales.tolist()):
+        if n and s != s:
+            both = x[off:off + n].isnan()
+            for q in (got, want):
+                q[off:off + n] = torch.where(both, q[off:off + n] & 0x7F, q[off:off + n])
 
 
 @needs_native
