@@ -116,7 +116,9 @@ class PipelineStage(_pipelining.PipelineStage):
     def _post_metadata_inference_cleanup(self) -> None:
         super()._post_metadata_inference_cleanup()
         # The first step's metadata inference runs a real forward (and an input-only backward):
-        # leave no gathered weights and no gradients behind, as torch does for FSDP2 modules.
+        # leave no gathered weights and no gradients behind. torch does it for the units its
+        # stage sees (``isinstance``), not for units inside a plain stage module or on a torch
+        # without this cleanup.
         for m in _units(self.submod):
             m.reshard()
             for p in m.parameters():
