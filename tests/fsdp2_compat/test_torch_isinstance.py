@@ -21,8 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from . import runtimes
 from .._dist import run_ranks
 from ..models import REL_F64, assert_close_rel, batch, build, loss_fn
-
-WS, GB = 2, 8
+from .test_divide_factor import GB, WS, _reference  # the same model, batch and float64 gradients
 
 
 def _disable_gradient_division(model) -> None:
@@ -99,13 +98,6 @@ def test_torch_register_fsdp_forward_method_gathers_mfsdp2_units():
         assert torch.equal(y0, t0) and torch.equal(y, t), rank
         for k, g in tgrads.items():
             assert_close_rel(grads[k], g, f"rank {rank} {k}", rel=REL_F64)
-
-
-def _reference():
-    model = build("net", dtype=torch.float64)
-    x, y = batch(0, GB, 12, dtype=torch.float64)
-    loss_fn(model(x), y).backward()
-    return {k: p.grad for k, p in model.named_parameters()}
 
 
 def test_trainer_isinstance_checks_find_mfsdp2_units_and_sum_like_fsdp2():
