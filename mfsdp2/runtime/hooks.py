@@ -359,10 +359,12 @@ def _refuse_split_backward(state: FSDPState) -> None:
     split-backward schedule (zero bubble, DualPipeV), whose later weight pass then gives wrong
     gradients to such units (torch FSDP2's too). Only when this backward computes no gradient
     for any of the unit's parameters (``_will_engine_execute_node`` of their accumulators)."""
-    for g in state.groups:
-        for p in g.unsharded_params if g.requires_grad else ():
-            if p.requires_grad and torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node):
-                return
+    trainable = [p for g in state.groups if g.requires_grad for p in g.unsharded_params if p.requires_grad]
+    if not trainable:  # frozen: no weight gradient to lose (LoRA's base blocks)
+        return
+    for p in trainable:
+        if torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node):
+            return
     raise ValueError(
         f"mfsdp2: unit {state.name!r} reshards its weights after forward, but this backward computes "
         "only input gradients while its weight gradients are left for a later pass (a pipeline "

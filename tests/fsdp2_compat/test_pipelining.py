@@ -271,3 +271,38 @@ def test_what_pipelining_cannot_do_is_refused(stage_cls):
     assert all(out is not None for out in outs), outs
     refused = [out for out in outs if out[0] == "ValueError"]
     assert refused and all("reshard_after_forward=False" in msg for _, msg in refused), outs
+
+
+def _input_only_backward(rank, ws):
+    """The runtime's E52 check outside a schedule, with the flags torch's stage sets for each
+    micro-batch: an input-only backward through a trainable unit that reshards after forward is
+    refused; through a frozen one (LoRA's base blocks) or a kept-gathered one it is not."""
+    from mfsdp2 import fully_shard
+
+    mesh = init_device_mesh("cpu", (ws,))
+    out = {}
+    for case, raf, frozen in (("trainable", True, False), ("frozen", True, True), ("kept", False, False)):
+        net = build("net", dtype=F64)
+        if frozen:
+            for p in net.blocks.parameters():
+                p.requires_grad_(False)
+        for b in net.blocks:
+            fully_shard(b, mesh=mesh, reshard_after_forward=raf)
+        fully_shard(net, mesh=mesh)
+        net.set_requires_gradient_sync(False)
+        net.set_reshard_after_backward(False)
+        net.set_is_last_backward(False)
+        x, y = batch(0, 4, net.inp.in_features, dtype=F64)
+        x.requires_grad_(True)
+        try:
+            torch.autograd.grad(loss_fn(net(x), y), [x])
+            out[case] = None
+        except ValueError as e:
+            out[case] = str(e)
+    return out
+
+
+def test_input_only_backward_through_resharding_trainable_units_is_refused():
+    out = run_ranks(_input_only_backward, 1)[0]
+    assert out["trainable"] is not None and "reshard_after_forward=False" in out["trainable"], out
+    assert out["frozen"] is None and out["kept"] is None, out
