@@ -376,6 +376,10 @@ def _refuse_split_backward(state: FSDPState) -> None:
 
 
 def _pre_backward_hook(state: FSDPState, *unused: Any) -> None:
+    # Here, not in _pre_backward: a reentrant checkpoint's recompute calls that from inside the
+    # outer backward, whose graph does not hold the recomputed parameters' accumulators.
+    if state.reshard_after_forward and not state.requires_gradient_sync and not state.reshard_after_backward:
+        _refuse_split_backward(state)
     _pre_backward(state)
 
 
@@ -388,8 +392,6 @@ def _pre_backward(state: FSDPState, need_weights: Optional[bool] = None) -> None
     if need_weights is None:
         need_weights = state.unshard_in_backward
     ctx = state.ctx
-    if state.reshard_after_forward and not state.requires_gradient_sync and not state.reshard_after_backward:
-        _refuse_split_backward(state)
     if not ctx.callback_queued:
         ctx.callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))

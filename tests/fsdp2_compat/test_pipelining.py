@@ -273,15 +273,32 @@ def test_what_pipelining_cannot_do_is_refused(stage_cls):
     assert refused and all("reshard_after_forward=False" in msg for _, msg in refused), outs
 
 
+def _checkpointed(net, reentrant: bool):
+    """``net.forward`` with each block under activation checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    def forward(x):
+        h = net.inp(x)
+        for b in net.blocks:
+            h = checkpoint(b, h, use_reentrant=reentrant)
+        return net.head(h)
+
+    return forward
+
+
 def _input_only_backward(rank, ws):
     """The runtime's E52 check outside a schedule, with the flags torch's stage sets for each
-    micro-batch: an input-only backward through a trainable unit that reshards after forward is
-    refused; through a frozen one (LoRA's base blocks) or a kept-gathered one it is not."""
+    micro-batch (sync off, kept gathered after backward): an input-only backward through a
+    trainable unit that reshards after forward is refused; through a frozen one (LoRA's base
+    blocks) or a kept-gathered one it is not, nor a full backward with activation checkpointing
+    (a reentrant recompute runs inside the outer backward, whose graph lacks the parameters)."""
     from mfsdp2 import fully_shard
 
     mesh = init_device_mesh("cpu", (ws,))
     out = {}
-    for case, raf, frozen in (("trainable", True, False), ("frozen", True, True), ("kept", False, False)):
+    cases = (("trainable", True, False, None), ("frozen", True, True, None), ("kept", False, False, None),
+             ("reentrant", True, False, True), ("non_reentrant", True, False, False))
+    for case, raf, frozen, reentrant in cases:
         net = build("net", dtype=F64)
         if frozen:
             for p in net.blocks.parameters():
@@ -289,13 +306,19 @@ def _input_only_backward(rank, ws):
         for b in net.blocks:
             fully_shard(b, mesh=mesh, reshard_after_forward=raf)
         fully_shard(net, mesh=mesh)
+        if reentrant is not None:
+            net.forward = _checkpointed(net, reentrant)
         net.set_requires_gradient_sync(False)
         net.set_reshard_after_backward(False)
         net.set_is_last_backward(False)
         x, y = batch(0, 4, net.inp.in_features, dtype=F64)
         x.requires_grad_(True)
         try:
-            torch.autograd.grad(loss_fn(net(x), y), [x])
+            loss = loss_fn(net(x), y)
+            if reentrant is None:
+                torch.autograd.grad(loss, [x])
+            else:
+                loss.backward()
             out[case] = None
         except ValueError as e:
             out[case] = str(e)
@@ -305,4 +328,4 @@ def _input_only_backward(rank, ws):
 def test_input_only_backward_through_resharding_trainable_units_is_refused():
     out = run_ranks(_input_only_backward, 1)[0]
     assert out["trainable"] is not None and "reshard_after_forward=False" in out["trainable"], out
-    assert out["frozen"] is None and out["kept"] is None, out
+    assert all(out[c] is None for c in ("frozen", "kept", "reentrant", "non_reentrant")), out
