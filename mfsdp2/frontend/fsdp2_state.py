@@ -37,9 +37,9 @@ Calls that drive the runtime: ``_pre_forward`` / ``_post_forward`` (what torch's
 ``register_fsdp_forward_method`` wraps a method in) run the unit's forward hooks, and the two
 calls torch's pipeline stages make at the schedule's REDUCE_GRAD
 action: a group view's ``post_backward()`` reduces the unit's gradients accumulated with gradient
-sync off (:func:`mfsdp2.runtime.hooks.reduce_accumulated`), and the state's
+sync off (:func:`mfsdp2.runtime.external_backward.reduce_accumulated`), and the state's
 ``_root_post_backward_final_callback()`` finishes every reduction under the root and reshards
-(:func:`mfsdp2.runtime.hooks.finish_backward`), so torch's own ``PipelineStage`` reduces an mfsdp2
+(:func:`mfsdp2.runtime.external_backward.finish_backward`), so torch's own ``PipelineStage`` reduces an mfsdp2
 stage once per step, as it does an FSDP2 one.
 
 Not provided (reading them raises ``AttributeError``): the rest of what drives FSDP2's machinery --
@@ -290,8 +290,8 @@ class FSDP2StateNames:
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         """FSDP2's post-forward: reshard (per the unit's flags), cast the output, hook the backward.
-        FSDP2's signature carries no keyword arguments: tensors passed by keyword are not
-        followed into the backward (FSDP2's are not either)."""
+        FSDP2's signature has no keyword arguments; mfsdp2's post-forward reads none (the inputs,
+        keyword ones included, were threaded for the backward by :meth:`_pre_forward`)."""
         return _RUNTIME["post_forward"](module, args, {}, output)
 
     def _lazy_init(self) -> None:

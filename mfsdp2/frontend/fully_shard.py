@@ -24,7 +24,8 @@ from ..comm import devices
 from ..memory.allocator import BucketAllocator
 from ..comm.communicator import Communicator
 from .fsdp2_state import bind_runtime
-from ..runtime.hooks import finish_backward, lazy_init, reduce_accumulated
+from ..runtime.hooks import lazy_init
+from ..runtime.external_backward import finish_backward, reduce_accumulated
 from ..precision.mixed_precision import MixedPrecisionPolicy
 from .module import _EAGER_POST_FORWARD, _EAGER_PRE_FORWARD, FSDPModule
 from .torch_identity import register_torch_state

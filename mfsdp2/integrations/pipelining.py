@@ -15,7 +15,7 @@ This class adds what torch's stage does not do:
 * a stage module that is not itself a unit but holds units (torch's stage then takes its
   plain-module path, which would reduce every micro-batch and lose a weight pass's gradients):
   the same protocol through mfsdp2's public flags, reduced by
-  :func:`mfsdp2.runtime.hooks.finish_backward`;
+  :func:`mfsdp2.runtime.external_backward.finish_backward`;
 * schedules without a REDUCE_GRAD action (``PipelineScheduleMulti``'s own loop scales the
   gradients after a stage's last backward): the accumulated gradients are reduced before they are
   scaled (torch's stage leaves FSDP2's unreduced there);
@@ -32,7 +32,7 @@ import logging
 import torch.nn as nn
 from torch.distributed import pipelining as _pipelining
 
-from ..runtime.hooks import finish_backward
+from ..runtime.external_backward import finish_backward
 from ..frontend.module import FSDPModule
 
 __all__ = ["PipelineStage"]

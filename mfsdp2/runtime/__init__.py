@@ -1,6 +1,7 @@
 """The step lifecycle: what runs around every forward, backward and optimizer step.
 
-Owns the forward / backward hooks (``hooks``), the recorded module order and the prefetch
+Owns the forward / backward hooks (``hooks``) and the end of backward driven from outside
+autograd (``external_backward``: a pipeline schedule's REDUCE_GRAD), the recorded module order and the prefetch
 schedule built from it (``schedule``), the per-unit and per-step state (``state``), the checks
 before an optimizer step (``step_guard``), the agreement on which gradients exist
 (``grad_presence``), user diagnostics (``diagnostics``) and profiler ranges (``profiling``).

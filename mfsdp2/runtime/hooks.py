@@ -52,7 +52,7 @@ from ..memory.weight_watch import agree_on_gathers
 from ..precision.fp8 import gather_riders
 from ..frontend import param_adoption
 
-__all__ = ["pre_forward", "post_forward", "unshard_async", "wait_unshard", "reshard", "lazy_init", "reset", "finish_backward"]
+__all__ = ["pre_forward", "post_forward", "unshard_async", "wait_unshard", "reshard", "lazy_init", "reset"]
 
 logger = logging.getLogger(__name__)
 
@@ -566,38 +566,6 @@ def _final_callback(ctx: RootContext) -> None:
             ctx.step += 1
         finally:
             ctx.callback_queued = False
-
-
-def finish_backward(ctx: RootContext) -> None:
-    """Outside autograd, do what the final callback of a backward does: reduce every unit holding
-    unsharded gradients (those accumulated without gradient sync, or written into the gathered
-    parameters outside any backward hook), finish the reductions, expose the gradients and
-    reshard (per each unit's flags).
-
-    Why: a pipeline schedule's zero-bubble weight pass (``stage_backward_weight``) computes weight
-    gradients with ``autograd.grad`` and assigns them to the gathered parameters after it returns,
-    so no hook of ours sees them; torch reduces FSDP2's at the schedule's REDUCE_GRAD action by
-    calling its private post-backward, ``mfsdp2.integrations.pipelining.PipelineStage`` calls this. Every rank
-    of the data-parallel group must call it (it issues the reductions)."""
-    if _in_backward():
-        raise RuntimeError(f"mfsdp2: finish_backward on {ctx.root.name!r} called inside a backward pass; "
-                           "the backward's own final callback reduces the gradients")
-    ctx.callback_queued = True  # the callback clears it; a forward meanwhile would be refused
-    _final_callback(ctx)
-
-
-def reduce_accumulated(state: FSDPState) -> None:
-    """Outside autograd, reduce the unit's unsharded gradients now if its gradient sync is on
-    (FSDP2's ``FSDPParamGroup.post_backward()``, which torch's pipeline stages call on each unit
-    at the schedule's REDUCE_GRAD action, before the root's final callback, :func:`finish_backward`,
-    finishes what this issued). Nothing to do before the first forward or without such gradients."""
-    if _in_backward():
-        raise RuntimeError(f"mfsdp2: post_backward() of unit {state.name!r} called inside a backward pass; "
-                           "the backward's own hooks reduce the gradients")
-    if state.ctx is None or not state.requires_gradient_sync:
-        return
-    if any(g.requires_grad and g.has_unsharded_grads() for g in state.groups):
-        post_backward(state)
 
 
 def reset(ctx: RootContext) -> None:
