@@ -359,6 +359,8 @@ def _refuse_split_backward(state: FSDPState) -> None:
     split-backward schedule (zero bubble, DualPipeV), whose later weight pass then gives wrong
     gradients to such units (torch FSDP2's too). Only when this backward computes no gradient
     for any of the unit's parameters (``_will_engine_execute_node`` of their accumulators)."""
+    if torch.is_grad_enabled():  # create_graph=True: a gradient penalty's input gradients, not a pipeline's pass
+        return
     trainable = [p for g in state.groups if g.requires_grad for p in g.unsharded_params if p.requires_grad]
     if not trainable:  # frozen: no weight gradient to lose (LoRA's base blocks)
         return

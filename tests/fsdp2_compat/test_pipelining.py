@@ -290,14 +290,15 @@ def _input_only_backward(rank, ws):
     """The runtime's E52 check outside a schedule, with the flags torch's stage sets for each
     micro-batch (sync off, kept gathered after backward): an input-only backward through a
     trainable unit that reshards after forward is refused; through a frozen one (LoRA's base
-    blocks) or a kept-gathered one it is not, nor a full backward with activation checkpointing
-    (a reentrant recompute runs inside the outer backward, whose graph lacks the parameters)."""
+    blocks) or a kept-gathered one it is not, nor input gradients with ``create_graph`` (a gradient
+    penalty, whose full backward follows), nor a full backward with activation checkpointing (a
+    reentrant recompute runs inside the outer backward, whose graph lacks the parameters)."""
     from mfsdp2 import fully_shard
 
     mesh = init_device_mesh("cpu", (ws,))
     out = {}
     cases = (("trainable", True, False, None), ("frozen", True, True, None), ("kept", False, False, None),
-             ("reentrant", True, False, True), ("non_reentrant", True, False, False))
+             ("penalty", True, False, None), ("reentrant", True, False, True), ("non_reentrant", True, False, False))
     for case, raf, frozen, reentrant in cases:
         net = build("net", dtype=F64)
         if frozen:
@@ -315,7 +316,10 @@ def _input_only_backward(rank, ws):
         x.requires_grad_(True)
         try:
             loss = loss_fn(net(x), y)
-            if reentrant is None:
+            if case == "penalty":  # input gradients with create_graph, then the full backward
+                (gx,) = torch.autograd.grad(loss, [x], create_graph=True)
+                (loss + gx.square().sum()).backward()
+            elif reentrant is None:
                 torch.autograd.grad(loss, [x])
             else:
                 loss.backward()
@@ -328,4 +332,4 @@ def _input_only_backward(rank, ws):
 def test_input_only_backward_through_resharding_trainable_units_is_refused():
     out = run_ranks(_input_only_backward, 1)[0]
     assert out["trainable"] is not None and "reshard_after_forward=False" in out["trainable"], out
-    assert all(out[c] is None for c in ("frozen", "kept", "reentrant", "non_reentrant")), out
+    assert all(out[c] is None for c in ("frozen", "kept", "penalty", "reentrant", "non_reentrant")), out
