@@ -16,7 +16,7 @@
 // sqrt is MKL's (below) where torch has MKL. The caller says which (``fma_lerp``, ``fma_addcmul``,
 // ``mkl_sqrt``), having run torch's ops to find out. With an IEEE root the step is one loop; with
 // MKL's, a work item runs in blocks of kBlock elements: moments (storing what the root is taken
-// of), MKL's roots of the block, the update (about 20 % slower than one loop).
+// of), MKL's roots of the block, the update (about 40 % slower than one loop).
 #include "adamw.h"
 
 #include <ATen/Parallel.h>
@@ -26,26 +26,16 @@
 #include <cmath>
 #include <tuple>
 
+#include "adamw_math.h"
 #include "segments.h"
 #include "simd.h"
 
 namespace mfsdp2 {
 namespace {
 
-// One segment's coefficients, in the tensors' dtype (torch casts each Python scalar so).
-template <typename T>
-struct Coef {
-  T decay;          // 1 - lr * weight_decay (1 without weight decay: p * 1 is p)
-  T lerp_w;         // w = 1 - beta1 when |w| < 0.5, else w - 1
-  bool small;       // which lerp form: w (g - m) + m, or (w - 1)(g - m) + g
-  T beta2;
-  T one_minus_beta2;
-  T bc2_sqrt;       // (1 - beta2 ** step) ** 0.5
-  T eps;
-  T neg_step_size;  // -lr / (1 - beta1 ** step)
-  bool amsgrad;
-  bool maximize;
-};
+using adamw::Coef;
+using adamw::Hyper;
+using adamw::kBlock;
 
 // The moments: m, v (and vmax) are stored, ``second`` gets v (or vmax), what the square root is
 // taken of.
@@ -53,22 +43,13 @@ template <typename T, bool kFmaLerp, bool kFmaAddcmul, bool kAmsgrad>
 MFSDP2_CLONES void moments(const T* __restrict g, T* __restrict m, T* __restrict v, T* __restrict vmax,
                            T* __restrict second, int64_t n, const Coef<T> c) {
   for (int64_t i = 0; i < n; ++i) {
-    const T gi = c.maximize ? -g[i] : g[i];
-    const T mi = m[i];
-    const T d = gi - mi;
-    const T base = c.small ? mi : gi;
-    const T mn = kFmaLerp ? std::fma(c.lerp_w, d, base) : c.lerp_w * d + base;
-    const T v1 = v[i] * c.beta2;
-    const T gs = c.one_minus_beta2 * gi;
-    const T vn = kFmaAddcmul ? std::fma(gs, gi, v1) : v1 + gs * gi;
+    const T gi = adamw::signed_grad(g[i], c);
+    T mn, vn;
+    adamw::moments_of<T, kFmaLerp, kFmaAddcmul>(gi, m[i], v[i], c, mn, vn);
     T s = vn;
     if constexpr (kAmsgrad) {
-      const T a = vmax[i];
-      T mx = a > vn ? a : vn;  // torch.maximum: NaN when either is NaN
-      mx = a != a ? a : mx;
-      mx = vn != vn ? vn : mx;
-      vmax[i] = mx;
-      s = mx;
+      s = adamw::maximum_of(vmax[i], vn);
+      vmax[i] = s;
     }
     m[i] = mn;
     v[i] = vn;
@@ -76,13 +57,10 @@ MFSDP2_CLONES void moments(const T* __restrict g, T* __restrict m, T* __restrict
   }
 }
 
-// p = p * decay + ((-lr / bc1) m) / (root / sqrt(bc2) + eps), root = sqrt(v or vmax).
+// p's update from the stored m and the block's roots.
 template <typename T>
 MFSDP2_CLONES void update(T* __restrict p, const T* __restrict m, const T* __restrict root, int64_t n, const Coef<T> c) {
-  for (int64_t i = 0; i < n; ++i) {
-    const T den = root[i] / c.bc2_sqrt + c.eps;
-    p[i] = p[i] * c.decay + (c.neg_step_size * m[i]) / den;
-  }
+  for (int64_t i = 0; i < n; ++i) p[i] = adamw::updated(p[i], m[i], root[i], c);
 }
 
 // All of it in one loop, with an IEEE square root (torch builds without MKL).
@@ -90,50 +68,19 @@ template <typename T, bool kFmaLerp, bool kFmaAddcmul, bool kAmsgrad>
 MFSDP2_CLONES void whole(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict v, T* __restrict vmax,
                          int64_t n, const Coef<T> c) {
   for (int64_t i = 0; i < n; ++i) {
-    const T gi = c.maximize ? -g[i] : g[i];
-    const T mi = m[i];
-    const T d = gi - mi;
-    const T base = c.small ? mi : gi;
-    const T mn = kFmaLerp ? std::fma(c.lerp_w, d, base) : c.lerp_w * d + base;
-    const T v1 = v[i] * c.beta2;
-    const T gs = c.one_minus_beta2 * gi;
-    const T vn = kFmaAddcmul ? std::fma(gs, gi, v1) : v1 + gs * gi;
+    const T gi = adamw::signed_grad(g[i], c);
+    T mn, vn;
+    adamw::moments_of<T, kFmaLerp, kFmaAddcmul>(gi, m[i], v[i], c, mn, vn);
     T s = vn;
     if constexpr (kAmsgrad) {
-      const T a = vmax[i];
-      T mx = a > vn ? a : vn;
-      mx = a != a ? a : mx;
-      mx = vn != vn ? vn : mx;
-      vmax[i] = mx;
-      s = mx;
+      s = adamw::maximum_of(vmax[i], vn);
+      vmax[i] = s;
     }
-    const T den = std::sqrt(s) / c.bc2_sqrt + c.eps;
-    p[i] = p[i] * c.decay + (c.neg_step_size * mn) / den;
+    p[i] = adamw::updated(p[i], mn, std::sqrt(s), c);
     m[i] = mn;
     v[i] = vn;
   }
 }
-
-}  // namespace
-}  // namespace mfsdp2
-
-// torch's CPU sqrt of float / double tensors is MKL's VML (vmsSqrt / vmdSqrt, high accuracy,
-// denormals kept: ATen/cpu/vml.h), which rounds about 0.7 % of float32 results the other way
-// than an IEEE square root. Where the torch this module runs with has MKL inside, its VML
-// functions are exported by libtorch_cpu; weak references find them there (null elsewhere).
-extern "C" {
-void vmsSqrt(int n, const float* a, float* r, long long mode) __attribute__((weak));
-void vmdSqrt(int n, const double* a, double* r, long long mode) __attribute__((weak));
-}
-
-namespace mfsdp2 {
-namespace {
-
-constexpr long long kVmlMode = 0x2 | 0x140000 | 0x100;  // VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, as torch
-constexpr int64_t kBlock = 2048;  // elements per pass of moments / sqrt / update: they stay in L1 / L2
-
-inline void vml_sqrt(float* x, int64_t n) { vmsSqrt(static_cast<int>(n), x, x, kVmlMode); }
-inline void vml_sqrt(double* x, int64_t n) { vmdSqrt(static_cast<int>(n), x, x, kVmlMode); }
 
 template <typename T, bool kFmaLerp, bool kFmaAddcmul, bool kAmsgrad>
 void step_range(T* p, const T* g, T* m, T* v, T* vmax, int64_t n, const Coef<T>& c, bool mkl_sqrt) {
@@ -145,7 +92,7 @@ void step_range(T* p, const T* g, T* m, T* v, T* vmax, int64_t n, const Coef<T>&
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t k = std::min(kBlock, n - b);
     moments<T, kFmaLerp, kFmaAddcmul, kAmsgrad>(g + b, m + b, v + b, kAmsgrad ? vmax + b : nullptr, root, k, c);
-    vml_sqrt(root, k);
+    adamw::vml_sqrt(root, k);
     update(p + b, m + b, root, k, c);
   }
 }
@@ -165,46 +112,6 @@ void step_any(bool fma_lerp, bool fma_addcmul, bool mkl_sqrt, T* p, const T* g, 
   else if (fma_lerp) step_one<T, true, false>(p, g, m, v, vmax, n, c, mkl_sqrt);
   else if (fma_addcmul) step_one<T, false, true>(p, g, m, v, vmax, n, c, mkl_sqrt);
   else step_one<T, false, false>(p, g, m, v, vmax, n, c, mkl_sqrt);
-}
-
-struct Hyper {
-  double lr, beta1, beta2, eps, weight_decay;
-  bool amsgrad, maximize;
-};
-
-// torch's Python arithmetic in double (Python floats are C doubles, ``**`` is libm's pow), then
-// the casts torch makes when it hands each scalar to a kernel.
-template <typename T>
-Coef<T> coefficients(const Hyper& h, double step) {
-  const double bc1 = 1.0 - std::pow(h.beta1, step);
-  const double bc2 = 1.0 - std::pow(h.beta2, step);
-  const double step_size = h.lr / bc1;
-  const double bc2_sqrt = std::pow(bc2, 0.5);
-  Coef<T> c;
-  const T w = static_cast<T>(1.0 - h.beta1);
-  c.small = std::abs(w) < T(0.5);
-  c.lerp_w = c.small ? w : w - T(1);
-  c.decay = h.weight_decay != 0.0 ? static_cast<T>(1.0 - h.lr * h.weight_decay) : T(1);
-  c.beta2 = static_cast<T>(h.beta2);
-  c.one_minus_beta2 = static_cast<T>(1.0 - h.beta2);
-  c.bc2_sqrt = static_cast<T>(bc2_sqrt);
-  c.eps = static_cast<T>(h.eps);
-  c.neg_step_size = static_cast<T>(-step_size);
-  c.amsgrad = h.amsgrad;
-  c.maximize = h.maximize;
-  return c;
-}
-
-// steps[slot] += 1 in the counter's dtype (torch's ``step_t += 1``); the new count.
-double count_step(const at::Tensor& steps, int64_t slot) {
-  if (steps.scalar_type() == at::kFloat) {
-    float* s = steps.data_ptr<float>() + slot;
-    *s = *s + 1.0f;
-    return *s;
-  }
-  double* s = steps.data_ptr<double>() + slot;
-  *s = *s + 1.0;
-  return *s;
 }
 
 struct Range {
@@ -229,8 +136,8 @@ void run(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& g
   std::vector<std::tuple<int64_t, int64_t, double>> keys(n);  // (hyper row, flat, step): equal keys, equal coefficients
   for (int64_t s = 0; s < n; ++s) {
     const int64_t* r = seg + 5 * s;
-    const double step = count_step(steps[r[0]], r[4]);
-    coefs[s] = coefficients<T>(hyper[r[3]], step);
+    const double step = adamw::count_step(steps[r[0]], r[4]);
+    coefs[s] = adamw::coefficients<T>(hyper[r[3]], step);
     keys[s] = {r[3], r[0], step};
   }
   // Adjacent pieces with the same coefficients form one range, cut into work items counted from

@@ -8,7 +8,8 @@ two param groups with their own hyper-parameters (both lerp forms, beta2 = 0, ep
 amsgrad and maximize per group), pieces skipped in some steps (their step counts differ, as
 torch's), non-finite gradients, float32 and float64, float32 and float64 step counters, one and
 two threads. Cases need the built extension and skip without it (``make native``); the pure-torch
-path is checked against torch in tests/optim/test_optim_adamw.py.
+path is checked against torch in tests/optim/test_optim_adamw.py. The single-loop variant, which
+torch builds without MKL take, is checked against torch's ops with an IEEE square root.
 """
 
 from __future__ import annotations
@@ -194,3 +195,51 @@ def test_ieee_sqrt_variant(n, dtype, hyper, seed):
                                     ARITH[0], ARITH[1], False)
     for a, b, k in zip(ours, (p, m, v, vmax), ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")):
         assert same_bits(a, b), k
+
+
+def _ieee_reference(p, g, m, v, vmax, step: float, cfg: dict) -> None:
+    """torch's for-loop AdamW step on float32 tensors, in place, with an IEEE square root (numpy's
+    float32 sqrt) in place of torch's: what the kernel's single-loop variant (torch builds
+    without MKL) must compute."""
+    import numpy as np
+
+    lr, (b1, b2), eps, wd = cfg["lr"], cfg["betas"], cfg["eps"], cfg["weight_decay"]
+    if wd:
+        p.mul_(1 - lr * wd)
+    g = -g if cfg["maximize"] else g
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    s = v
+    if cfg["amsgrad"]:
+        torch.maximum(vmax, v, out=vmax)
+        s = vmax
+    with np.errstate(invalid="ignore"):
+        root = torch.from_numpy(np.sqrt(s.numpy()))
+    denom = (root / (1 - b2 ** step) ** 0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-(lr / (1 - b1 ** step)))
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(n=_sizes.filter(lambda n: n > 0), cfg=_hyper, nonfinite=st.booleans())
+def test_single_loop_variant_equals_ieee_reference(n, cfg, nonfinite):
+    """The variant for torch builds without MKL (one vectorised loop, IEEE square root) against
+    the reference above; torch's lerp / addcmul roundings as found on this machine."""
+    mod = kernel._module()
+    fma = ARITH[:2]
+    gen = torch.Generator().manual_seed(n)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    if nonfinite:
+        g[0] = float("nan")
+        g[-1] = float("inf")
+    m0 = (torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16).float()
+    v0 = (torch.rand(n, generator=gen) * 0.01).to(torch.bfloat16).float()
+    hyper = torch.tensor([[cfg["lr"], *cfg["betas"], cfg["eps"], cfg["weight_decay"], float(cfg["amsgrad"]),
+                           float(cfg["maximize"])]], dtype=torch.float64)
+    ref = [p0.clone(), m0.clone(), v0.clone(), v0.clone()]
+    _ieee_reference(ref[0], g, ref[1], ref[2], ref[3], 1.0, cfg)
+    nat = [p0.clone(), m0.clone(), v0.clone(), v0.clone()]
+    mod.adamw_step([nat[0]], [g], [nat[1]], [nat[2]], [nat[3]], [torch.zeros(1)],
+                   torch.tensor([[0, 0, n, 0, 0]]), hyper, *fma, False)
+    for a, b in zip(nat, ref if cfg["amsgrad"] else ref[:3]):
+        assert same_bits(a, b)

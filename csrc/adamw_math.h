@@ -1,0 +1,155 @@
+// The arithmetic torch AdamW's for-loop / foreach step does per element, shared by the kernels
+// over float32 / float64 states (adamw.cpp) and over bfloat16 states (adamw_bf16.cpp): the
+// per-segment coefficients, computed as torch's Python code computes them, and the moment
+// updates, rounded as torch's CPU kernels round them.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+// torch's CPU sqrt of float / double tensors is MKL's VML (vmsSqrt / vmdSqrt, high accuracy,
+// denormals kept: ATen/cpu/vml.h), which rounds about 0.7 % of float32 results the other way
+// than an IEEE square root. Where the torch this module runs with has MKL inside, its VML
+// functions are exported by libtorch_cpu; weak references find them there (null elsewhere).
+extern "C" {
+void vmsSqrt(int n, const float* a, float* r, long long mode) __attribute__((weak));
+void vmdSqrt(int n, const double* a, double* r, long long mode) __attribute__((weak));
+}
+
+namespace mfsdp2 {
+namespace adamw {
+
+constexpr long long kVmlMode = 0x2 | 0x140000 | 0x100;  // VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, as torch
+constexpr int64_t kBlock = 2048;  // elements per pass of moments / sqrt / update: they stay in L1 / L2
+
+inline void vml_sqrt(float* x, int64_t n) { vmsSqrt(static_cast<int>(n), x, x, kVmlMode); }
+inline void vml_sqrt(double* x, int64_t n) { vmdSqrt(static_cast<int>(n), x, x, kVmlMode); }
+
+template <typename T>
+struct Bits;
+template <>
+struct Bits<float> {
+  using type = uint32_t;
+};
+template <>
+struct Bits<double> {
+  using type = uint64_t;
+};
+
+template <typename T>
+__attribute__((always_inline)) inline typename Bits<T>::type to_bits(T x) {
+  typename Bits<T>::type u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+template <typename T>
+__attribute__((always_inline)) inline T from_bits(typename Bits<T>::type u) {
+  T x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// One segment's coefficients, in the tensors' dtype (torch casts each Python scalar so).
+template <typename T>
+struct Coef {
+  T decay;          // 1 - lr * weight_decay (1 without weight decay: p * 1 is p)
+  T lerp_w;         // w = 1 - beta1 when |w| < 0.5, else w - 1
+  bool small;       // which lerp form: w (g - m) + m, or (w - 1)(g - m) + g
+  // ``small`` and ``maximize`` as bit masks of T's width: the loops select and negate with them
+  // (GCC does not vectorize a loop that reads a bool from memory).
+  typename Bits<T>::type small_mask;  // all ones when small
+  typename Bits<T>::type sign_mask;   // the sign bit under maximize (-g is g with its sign flipped)
+  T beta2;
+  T one_minus_beta2;
+  T bc2_sqrt;       // (1 - beta2 ** step) ** 0.5
+  T eps;
+  T neg_step_size;  // -lr / (1 - beta1 ** step)
+  bool amsgrad;
+  bool maximize;
+};
+
+struct Hyper {
+  double lr, beta1, beta2, eps, weight_decay;
+  bool amsgrad, maximize;
+};
+
+// torch's Python arithmetic in double (Python floats are C doubles, ``**`` is libm's pow), then
+// the casts torch makes when it hands each scalar to a kernel.
+template <typename T>
+Coef<T> coefficients(const Hyper& h, double step) {
+  const double bc1 = 1.0 - std::pow(h.beta1, step);
+  const double bc2 = 1.0 - std::pow(h.beta2, step);
+  const double step_size = h.lr / bc1;
+  const double bc2_sqrt = std::pow(bc2, 0.5);
+  Coef<T> c;
+  const T w = static_cast<T>(1.0 - h.beta1);
+  c.small = std::abs(w) < T(0.5);
+  c.lerp_w = c.small ? w : w - T(1);
+  c.decay = h.weight_decay != 0.0 ? static_cast<T>(1.0 - h.lr * h.weight_decay) : T(1);
+  c.beta2 = static_cast<T>(h.beta2);
+  c.one_minus_beta2 = static_cast<T>(1.0 - h.beta2);
+  c.bc2_sqrt = static_cast<T>(bc2_sqrt);
+  c.eps = static_cast<T>(h.eps);
+  c.neg_step_size = static_cast<T>(-step_size);
+  c.amsgrad = h.amsgrad;
+  c.maximize = h.maximize;
+  using U = typename Bits<T>::type;
+  c.small_mask = c.small ? ~U(0) : U(0);
+  c.sign_mask = h.maximize ? U(1) << (8 * sizeof(U) - 1) : U(0);
+  return c;
+}
+
+// steps[slot] += 1 in the counter's dtype (torch's ``step_t += 1``); the new count.
+inline double count_step(const at::Tensor& steps, int64_t slot) {
+  if (steps.scalar_type() == at::kFloat) {
+    float* s = steps.data_ptr<float>() + slot;
+    *s = *s + 1.0f;
+    return *s;
+  }
+  double* s = steps.data_ptr<double>() + slot;
+  *s = *s + 1.0;
+  return *s;
+}
+
+// The gradient as the step sees it: negated under maximize.
+template <typename T>
+__attribute__((always_inline)) inline T signed_grad(T g, const Coef<T>& c) {
+  return from_bits<T>(to_bits(g) ^ c.sign_mask);
+}
+
+// m = lerp(m, g, 1 - beta1) and v = v beta2 + ((1 - beta2) g) g for one element, ``g`` already
+// through signed_grad; ``kFmaLerp`` / ``kFmaAddcmul``: one rounding (a fused multiply-add, as
+// torch's AVX2 / AVX-512 kernels) or two.
+template <typename T, bool kFmaLerp, bool kFmaAddcmul>
+__attribute__((always_inline)) inline void moments_of(T g, T m, T v, const Coef<T>& c, T& m_out, T& v_out) {
+  const T d = g - m;
+  const T base = from_bits<T>((to_bits(m) & c.small_mask) | (to_bits(g) & ~c.small_mask));
+  m_out = kFmaLerp ? std::fma(c.lerp_w, d, base) : c.lerp_w * d + base;
+  const T v1 = v * c.beta2;
+  const T gs = c.one_minus_beta2 * g;
+  v_out = kFmaAddcmul ? std::fma(gs, g, v1) : v1 + gs * g;
+}
+
+// torch.maximum(a, b): NaN when either is NaN.
+template <typename T>
+__attribute__((always_inline)) inline T maximum_of(T a, T b) {
+  T mx = a > b ? a : b;
+  mx = a != a ? a : mx;
+  return b != b ? b : mx;
+}
+
+// p = p * decay + ((-lr / bc1) m) / (root / sqrt(bc2) + eps), root = sqrt(v or vmax).
+template <typename T>
+__attribute__((always_inline)) inline T updated(T p, T m, T root, const Coef<T>& c) {
+  const T den = root / c.bc2_sqrt + c.eps;
+  return p * c.decay + (c.neg_step_size * m) / den;
+}
+
+}  // namespace adamw
+}  // namespace mfsdp2
