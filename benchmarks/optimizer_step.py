@@ -10,8 +10,8 @@ one copy with mfsdp2 and one with FSDP2 (fp32, ``_common.shard``), runs one forw
 each (the gradients then stay as they are), and builds one optimizer per (model, implementation),
 all ``lr=1e-3, weight_decay=0.01``: torch's ``AdamW`` with ``foreach=True`` (its CPU default when
 asked for speed), ``fused=True`` (torch's fastest CPU AdamW) and the for-loop (``foreach=False``,
-its default on CPU), and ``mfsdp2.optim.AdamW`` (default flags: the native flat step) on mfsdp2's
-parameters. "flat" is torch's AdamW over mfsdp2's flat main-weight shards as plain tensors (one
+its default on CPU), and ``mfsdp2.optim.AdamW`` (default flags: the native flat step; and with
+``state_dtype=torch.bfloat16``: 20 bytes per element) on mfsdp2's parameters. "flat" is torch's AdamW over mfsdp2's flat main-weight shards as plain tensors (one
 per parameter group, its flat main-gradient shard as ``.grad``, padding included): the floor of
 a per-shard torch step. A timed round steps every optimizer once, the order rotated each round, a
 barrier before each step; a step's time is the max over the ranks, the figure the median over
@@ -45,7 +45,9 @@ import torch.distributed as dist  # noqa: E402
 
 IMPLS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
 OURS = "mfsdp2.optim.AdamW"
+OURS_BF16 = "mfsdp2.optim.AdamW bf16 states"
 ADAMW_BYTES = 28  # per float32 element: read p, g, m, v; write p, m, v
+ADAMW_BF16_BYTES = 20  # the same with bfloat16 moments (2 bytes each way for m and v)
 
 
 def _llc_bytes() -> int:
@@ -103,6 +105,7 @@ def _rank(rank: int, ws: int, name: str, rounds: int) -> dict:
     makers = {f"{who} {impl}": (lambda ps=ps, kw=kw: torch.optim.AdamW(ps(), lr=1e-3, weight_decay=0.01, **kw))
               for impl, kw in IMPLS.items() for who, ps in params.items()}
     makers[OURS] = lambda: FlatAdamW(params["mfsdp2"](), lr=1e-3, weight_decay=0.01)
+    makers[OURS_BF16] = lambda: FlatAdamW(params["mfsdp2"](), lr=1e-3, weight_decay=0.01, state_dtype=torch.bfloat16)
     for key, make in makers.items():
         try:
             opts[key] = make()
@@ -173,6 +176,14 @@ def main() -> None:
         print(f"  bandwidth per rank (both ranks at once): in-place triad {bw['triad_inplace'] / 1e9:.2f} GB/s, "
               f"copy {bw['copy'] / 1e9:.2f} GB/s; {OURS} moves {ADAMW_BYTES} B x {elements / 1e6:.2f} M elements "
               f"= {achieved / 1e9:.2f} GB/s ({100 * summary['fraction_of_bandwidth']:.0f} % of the triad)")
+        bf16 = med.get(OURS_BF16)
+        if bf16 is not None:
+            moved = ADAMW_BF16_BYTES * elements / bf16
+            summary.update(bf16_states_s=bf16, bf16_states_speedup_vs_torch_fastest=med[best_key] / bf16,
+                           bf16_states_bytes_per_s=moved, bf16_states_fraction_of_bandwidth=moved / bw["triad_inplace"])
+            print(f"  {OURS_BF16} {bf16 * 1e3:7.2f} ms: {summary['bf16_states_speedup_vs_torch_fastest']:.2f}x torch's "
+                  f"fastest; {ADAMW_BF16_BYTES} B x {elements / 1e6:.2f} M elements = {moved / 1e9:.2f} GB/s "
+                  f"({100 * summary['bf16_states_fraction_of_bandwidth']:.0f} % of the triad)")
 
     tiny = _tiny(args.tiny_steps) if args.tiny_steps > 0 else None
     if tiny is not None:

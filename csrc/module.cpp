@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "adamw.h"
+#include "adamw_bf16.h"
 #include "float8.h"
 
 #ifndef MFSDP2_TORCH_VERSION
@@ -13,7 +14,7 @@ namespace py = pybind11;
 
 // Bumped whenever a kernel's signature or meaning changes: mfsdp2/precision/native.py loads a module only
 // if it reports the API it expects (a stale build from older sources is not used).
-constexpr int kApiVersion = 4;
+constexpr int kApiVersion = 5;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mfsdp2 native kernels over flat buffers and their segment tables (CPU)";
@@ -29,6 +30,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_step", &mfsdp2::adamw_step, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
         py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("steps"), py::arg("segments"), py::arg("hyper"),
         py::arg("fma_lerp"), py::arg("fma_addcmul"), py::arg("mkl_sqrt"), py::call_guard<py::gil_scoped_release>());
+  m.def("adamw_step_bf16", &mfsdp2::adamw_step_bf16, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
+        py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("steps"), py::arg("segments"), py::arg("hyper"),
+        py::arg("seed"), py::arg("fma_lerp"), py::arg("fma_addcmul"), py::arg("mkl_sqrt"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_salt", &mfsdp2::bf16_salt, py::arg("seed"), py::arg("param_id"), py::arg("step"),
+        "The hash salt of one parameter's step under adamw_step_bf16.");
   m.def("has_vml_sqrt", &mfsdp2::has_vml_sqrt, "Whether torch exports MKL's VML sqrt (torch's CPU sqrt).");
   m.def("has_vbmi", &mfsdp2::has_vbmi, "Whether lookup_bytes' AVX-512 VBMI path runs on this CPU.");
 }

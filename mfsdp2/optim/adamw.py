@@ -22,6 +22,10 @@ What it computes is torch's AdamW:
   on CPU parameters, as torch refuses it; ``differentiable=True`` is refused (the flat step is
   not recorded by autograd).
 
+``state_dtype=torch.bfloat16``: the flat states' moments are bfloat16, stepped in float32 and
+stored by stochastic rounding (:mod:`mfsdp2.optim.bf16_states`; the native kernel on the host,
+the same bits in PyTorch elsewhere); ``seed`` salts the rounding's random bits.
+
 Parameters that are not mfsdp2's (plain tensors, ``ignored_params``, FSDP2's DTensors) and
 mfsdp2 parameters whose ``.grad`` is not the group's view (a gradient the user assigned, DSD's
 zero gradients when it initialises states) are stepped by torch's own AdamW code with the
@@ -40,10 +44,12 @@ from __future__ import annotations
 from typing import Callable, Optional, Union
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as _adam
 
 from ..integrations.clip_grad import clip_grad_norm_
 from ..memory.param_group import live_groups
+from .bf16_states import step_piece
 from .flat_state import FlatState
 from .kernel import NativeStep, _module, native_arithmetic, torch_step
 from .overlap import StepInBackward
@@ -74,7 +80,19 @@ class AdamW(torch.optim.AdamW):
         fused: Optional[bool] = None,
         step_in_backward: bool = False,
         max_grad_norm: Optional[float] = None,
+        state_dtype: Optional[torch.dtype] = None,
+        seed: int = 0,
     ) -> None:
+        if state_dtype is not None:
+            if state_dtype != torch.bfloat16:
+                raise ValueError(f"mfsdp2.optim.AdamW: state_dtype must be None (the parameters' dtype) or "
+                                 f"torch.bfloat16, got {state_dtype}")
+            if fused or capturable:
+                raise ValueError("mfsdp2.optim.AdamW: state_dtype=torch.bfloat16 runs its own step (float32 "
+                                 "arithmetic, stochastically rounded moments); fused=True and capturable=True "
+                                 "name torch's kernels, which keep moments in the parameters' dtype: drop them")
+        self.state_dtype: Optional[torch.dtype] = state_dtype
+        self.seed = int(seed)
         if differentiable:
             raise ValueError("mfsdp2.optim.AdamW: differentiable=True is not supported (the flat step is not "
                              "recorded by autograd); use torch.optim.AdamW for a differentiable step")
@@ -102,9 +120,29 @@ class AdamW(torch.optim.AdamW):
         super().__setstate__(state)
         if not hasattr(self, "_flat"):
             self._init_flat()
-        for k, v in (("max_grad_norm", None), ("last_grad_norm", None), ("_overlap", None)):
+        for k, v in (("max_grad_norm", None), ("last_grad_norm", None), ("_overlap", None), ("state_dtype", None),
+                     ("seed", 0)):
             if not hasattr(self, k):
                 setattr(self, k, v)
+        self._pid = {}
+        for group in self.param_groups:
+            self._number(group["params"])
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.update(state_dtype=self.state_dtype, seed=self.seed)  # a copy keeps its moments' dtype
+        return state
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._number(self.param_groups[-1]["params"])
+
+    def _number(self, params) -> None:
+        """Give each new parameter the next id (its position among the optimizer's parameters:
+        the same on every rank and at every world size)."""
+        pid = self.__dict__.setdefault("_pid", {})
+        for p in params:
+            pid.setdefault(id(p), len(pid))
 
     @property
     def step_in_backward(self) -> bool:
@@ -155,7 +193,7 @@ class AdamW(torch.optim.AdamW):
         if fs is None or fs.group is not g or fs.stale():
             if fs is not None:
                 fs.retired = True
-            fs = self._flat[id(g)] = FlatState(g, self._indices_of(g))
+            fs = self._flat[id(g)] = FlatState(g, self._indices_of(g), self.state_dtype)
         elif not fs.covers(i):
             fs.grow(self._indices_of(g), self.state.values())
         return fs
@@ -238,13 +276,14 @@ class AdamW(torch.optim.AdamW):
         have a gradient, except those whose id is in ``skip``. ``flat_only``: only parameters
         taking the flat step (the others are left for ``step()``). Returns the flat-stepped ones."""
         arithmetic = native_arithmetic()
-        batches: dict[torch.dtype, NativeStep] = {}
+        batches: dict = {}
         state, fast = self.state, self._fast
+        bf16 = self.state_dtype is not None
         stepped = []
         for index, group, params in items:
             amsgrad = group["amsgrad"]
             native_ok = arithmetic is not None and group["fused"] is not True and not group["capturable"]
-            pieces, other, rows = [], [], {}
+            pieces, other, rows, assigned = [], [], {}, []
             for p in params:
                 grad = p.grad
                 if grad is None or (skip is not None and id(p) in skip):
@@ -269,10 +308,22 @@ class AdamW(torch.optim.AdamW):
                     if not fs.owns(st, i, amsgrad):
                         fs.ensure(st, i, amsgrad, self._name(g, i))
                     if not self._grad_is_view(fs, g, i, grad):
-                        other.append(p)
+                        if bf16:  # its states are our bfloat16 views: torch's step cannot take them
+                            if not flat_only:
+                                assigned.append((fs, i, p, self._local_grad(g, i, p, grad)))
+                                stepped.append(p)
+                        else:
+                            other.append(p)
                         continue
                     w = fs.weight
-                    batch = w.dtype if native_ok and w.device.type == "cpu" and w.dtype in _NATIVE_DTYPES else None
+                    if bf16:
+                        if w.dtype != torch.float32:
+                            raise ValueError(f"mfsdp2.optim.AdamW(state_dtype=torch.bfloat16): parameter "
+                                             f"{self._name(g, i)!r} has {w.dtype} main weights; bfloat16 moments are "
+                                             f"stepped in float32 arithmetic and need float32 main weights")
+                        batch = "bf16" if native_ok and w.device.type == "cpu" else None
+                    else:
+                        batch = w.dtype if native_ok and w.device.type == "cpu" and w.dtype in _NATIVE_DTYPES else None
                     views = fs.views[i]
                     fast[id(p)] = (p, p._local_tensor, None, st, fs, g, i,
                                    tuple((k, views[k]) for k in fs._keys(amsgrad)), amsgrad, batch)
@@ -282,22 +333,49 @@ class AdamW(torch.optim.AdamW):
                     continue
                 b = batches.get(batch)
                 if b is None:
-                    b = batches[batch] = NativeStep(_module(), arithmetic, batch)
+                    b = batches[batch] = (NativeStep(_module(), arithmetic, torch.float32, bf16_seed=self.seed)
+                                          if batch == "bf16" else NativeStep(_module(), arithmetic, batch))
                 row = rows.get(batch)
                 if row is None:
                     row = rows[batch] = b.hyper_row(index, group)
-                b.add(fs, i, row)
+                b.add(fs, i, row, self._pid.get(id(p), 0))
             if other and not flat_only:
                 self._torch_step(group, other)
             if pieces:
                 self._pieces_step(group, pieces)
+            for fs, i, p, grad in assigned:
+                self._bf16_step(group, fs, i, p, grad)
         for batch in batches.values():
             batch.run()
         return stepped
 
+    def _bf16_step(self, group: dict, fs: FlatState, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """One piece with bfloat16 moments, in PyTorch (:func:`~mfsdp2.optim.bf16_states.step_piece`)."""
+        v = fs.views[i]
+        vmax = v.get("max_exp_avg_sq") if group["amsgrad"] else None
+        step_piece(p._local_tensor, grad, v["exp_avg"]._local_tensor, v["exp_avg_sq"]._local_tensor,
+                   None if vmax is None else vmax._local_tensor, v["step"], group, seed=self.seed,
+                   param_id=self._pid.get(id(p), 0), first_elem=fs.first_elem[i])
+
+    def _local_grad(self, g, i: int, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient that is not the group's view, as this rank's rows of parameter ``i``."""
+        local = p._local_tensor
+        t = grad._local_tensor if isinstance(grad, DTensor) else grad
+        if t.shape != local.shape:
+            raise ValueError(f"mfsdp2.optim.AdamW(state_dtype=torch.bfloat16): the gradient of "
+                             f"{self._name(g, i)!r} has local shape {tuple(t.shape)}, not the parameter's rows "
+                             f"{tuple(local.shape)}; assign a gradient laid out like the parameter (a DTensor of "
+                             f"its placements) or let backward write it")
+        return t.to(dtype=local.dtype, device=local.device)
+
     def _pieces_step(self, group: dict, items: list) -> None:
         """torch's AdamW arithmetic on the plain local tensors of flat pieces: fused on
-        accelerators and for ``fused=True``, foreach otherwise."""
+        accelerators and for ``fused=True``, foreach otherwise; with bfloat16 moments,
+        :func:`~mfsdp2.optim.bf16_states.step_piece` per piece."""
+        if self.state_dtype is not None:
+            for fs, i, p in items:
+                self._bf16_step(group, fs, i, p, p.grad._local_tensor)
+            return
         by_kind: dict[bool, list] = {}
         for fs, i, p in items:
             fused = group["fused"] is True or fs.weight.device.type != "cpu"

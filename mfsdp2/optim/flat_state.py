@@ -39,8 +39,12 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 class FlatState:
     """One optimizer's AdamW state for (some of) the parameters of one ParameterGroup."""
 
-    def __init__(self, group, indices: Iterable[int]):
+    def __init__(self, group, indices: Iterable[int], state_dtype: Optional[torch.dtype] = None):
+        """``state_dtype``: the moments' dtype (None: the main weights'; ``torch.bfloat16`` for
+        :mod:`mfsdp2.optim.bf16_states`, whose step counters stay on the host, as torch keeps a
+        non-capturable AdamW's)."""
         self.group = group
+        self.state_dtype = state_dtype
         self.source = group.main_weight  # the shard the spans are offsets into (re-made if replaced)
         self.retired = False  # replaced by a newer flat state of the optimizer
         self.indices: set[int] = set()
@@ -58,15 +62,18 @@ class FlatState:
         self.span = max((o + n for o, n in used), default=self.base) - self.base
         # (offset in the span, length); an empty piece's offset is never used
         self.pieces = {i: (pc.shard_offset - self.base if pc.numel else 0, pc.numel) for i, pc in pieces.items()}
+        # the index of each piece's first element in its whole parameter (storage order)
+        self.first_elem = {i: pc.row_start * lay.slots[i].row_numel for i, pc in pieces.items()}
         self.indices = indices
         w = g.main_weight
         self.weight = w[self.base:self.base + self.span]
-        self.exp_avg = torch.zeros(self.span, dtype=w.dtype, device=w.device)
+        self.exp_avg = torch.zeros(self.span, dtype=self.state_dtype or w.dtype, device=w.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         if self.max_exp_avg_sq is not None:
             self.max_exp_avg_sq = torch.zeros_like(self.exp_avg)
         # torch's dtype for non-fused steps: float32, float64 under a float64 default dtype
-        self.steps = torch.zeros(len(g.dist_params), dtype=_get_scalar_dtype(), device=w.device)
+        steps_device = "cpu" if self.state_dtype is not None else w.device
+        self.steps = torch.zeros(len(g.dist_params), dtype=_get_scalar_dtype(), device=steps_device)
 
     def covers(self, i: int) -> bool:
         return i in self.indices

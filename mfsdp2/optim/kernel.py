@@ -114,10 +114,13 @@ class NativeStep:
     call. Rows of the segment table are pieces in the flat states' coordinates; the kernel
     counts each piece's step and merges adjacent pieces with equal coefficients."""
 
-    def __init__(self, mod, arithmetic: tuple, dtype: torch.dtype):
+    def __init__(self, mod, arithmetic: tuple, dtype: torch.dtype, bf16_seed: Optional[int] = None):
+        """``bf16_seed``: the flat states' moments are bfloat16 (``adamw_step_bf16``, float32
+        weights), their stochastic rounding salted with this seed."""
         self.mod = mod
         self.arithmetic = arithmetic
         self.dtype = dtype
+        self.bf16_seed = bf16_seed
         self.flats: dict[int, int] = {}
         self.states: list = []
         self.rows: list[tuple] = []
@@ -134,23 +137,35 @@ class NativeStep:
                                float(group["weight_decay"]), float(bool(group["amsgrad"])), float(bool(group["maximize"]))])
         return row
 
-    def add(self, fs, i: int, row: int) -> None:
+    def add(self, fs, i: int, row: int, param_id: int = 0) -> None:
+        """Step parameter ``i`` of flat state ``fs`` with hyper-parameter row ``row``;
+        ``param_id``: its id in the optimizer (keys the bfloat16 moments' random bits)."""
         k = self.flats.get(id(fs))
         if k is None:
             k = self.flats[id(fs)] = len(self.states)
             self.states.append(fs)
-        self.rows.append((k, i, row))
+        self.rows.append((k, i, row, param_id))
 
     def run(self) -> None:
         """The call. Flat tensors and offsets are read now: a later parameter may have turned
         amsgrad's state on, or grown the span, of a flat state added before."""
         if not self.rows:
             return
-        empty = _EMPTY.get(self.dtype)
-        if empty is None:
-            empty = _EMPTY[self.dtype] = torch.empty(0, dtype=self.dtype)
         fss = self.states
-        rows = [(k, *fss[k].pieces[i], row, i) for k, i, row in self.rows]
+        state_dtype = torch.bfloat16 if self.bf16_seed is not None else self.dtype
+        empty = _EMPTY.get(state_dtype)
+        if empty is None:
+            empty = _EMPTY[state_dtype] = torch.empty(0, dtype=state_dtype)
+        if self.bf16_seed is not None:
+            rows = [(k, *fss[k].pieces[i], row, i, pid, fss[k].first_elem[i]) for k, i, row, pid in self.rows]
+            self.mod.adamw_step_bf16(
+                [fs.weight for fs in fss], [fs.grad_span() for fs in fss], [fs.exp_avg for fs in fss],
+                [fs.exp_avg_sq for fs in fss],
+                [fs.max_exp_avg_sq if fs.max_exp_avg_sq is not None else empty for fs in fss],
+                [fs.steps for fs in fss], torch.tensor(rows, dtype=torch.int64),
+                torch.tensor(self.hyper, dtype=torch.float64), self.bf16_seed, *self.arithmetic)
+            return
+        rows = [(k, *fss[k].pieces[i], row, i) for k, i, row, _ in self.rows]
         self.mod.adamw_step([fs.weight for fs in fss], [fs.grad_span() for fs in fss], [fs.exp_avg for fs in fss],
                             [fs.exp_avg_sq for fs in fss],
                             [fs.max_exp_avg_sq if fs.max_exp_avg_sq is not None else empty for fs in fss],

@@ -223,8 +223,12 @@ def _ieee_reference(p, g, m, v, vmax, step: float, cfg: dict) -> None:
 @settings(max_examples=25, deadline=None)
 @given(n=_sizes.filter(lambda n: n > 0), cfg=_hyper, nonfinite=st.booleans())
 def test_single_loop_variant_equals_ieee_reference(n, cfg, nonfinite):
-    """The variant for torch builds without MKL (one vectorised loop, IEEE square root) against
-    the reference above; torch's lerp / addcmul roundings as found on this machine."""
+    """The variant for torch builds without MKL (one vectorised loop, IEEE square root), float32
+    and bfloat16 moments, against the reference above; torch's lerp / addcmul roundings as found
+    on this machine. bfloat16: the parameter from the widened moments, the moments the
+    stochastic rounding of the float32 ones."""
+    from mfsdp2.optim.bf16_states import h32, random_bits, salt, stochastic_round
+
     mod = kernel._module()
     fma = ARITH[:2]
     gen = torch.Generator().manual_seed(n)
@@ -243,3 +247,13 @@ def test_single_loop_variant_equals_ieee_reference(n, cfg, nonfinite):
                    torch.tensor([[0, 0, n, 0, 0]]), hyper, *fma, False)
     for a, b in zip(nat, ref if cfg["amsgrad"] else ref[:3]):
         assert same_bits(a, b)
+    bf = [p0.clone(), m0.to(torch.bfloat16), v0.to(torch.bfloat16), v0.to(torch.bfloat16)]
+    mod.adamw_step_bf16([bf[0]], [g], [bf[1]], [bf[2]], [bf[3]], [torch.zeros(1)],
+                        torch.tensor([[0, 0, n, 0, 0, 5, 0]]), hyper, 9, *fma, False)
+    assert same_bits(bf[0], ref[0])
+    r = random_bits(salt(9, 5, 1.0), 0, n, torch.device("cpu"))
+    want = [stochastic_round(ref[1], r >> 16), stochastic_round(ref[2], r & 0xFFFF)]
+    if cfg["amsgrad"]:
+        want.append(stochastic_round(ref[3], h32(r ^ 0x9E3779B9) >> 16))
+    for a, b in zip(bf[1:], want):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))

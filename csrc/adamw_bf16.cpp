@@ -1,0 +1,245 @@
+// torch AdamW's step with bfloat16 moments and float32 parameters and gradients: 20 bytes per
+// element (24 with amsgrad) where float32 moments take 28 (36).
+//
+// Each element's moments are widened to float32 (exact), updated with the arithmetic of the
+// float32 kernel (adamw_math.h: torch's for-loop AdamW, rounded as torch's CPU kernels round),
+// the parameter is updated from those float32 moments, and the moments are stored back by
+// stochastic rounding: the float32 bits plus 16 random bits, truncated. Rounding to nearest would
+// lose every update smaller than half a bfloat16 step -- exp_avg_sq's (1 - beta2) g^2 against
+// v beta2 is one at beta2 = 0.999 -- while stochastic rounding rounds up with probability equal
+// to the fraction cut off, so the stored moment is exact in expectation.
+//
+// The random bits are a hash of (seed, parameter id, step, element index within the parameter):
+// the same element gets the same bits whatever the sharding, the rank or the thread count, and
+// the pure-PyTorch reference (mfsdp2/optim/bf16_states.py) computes the same hash. With an MKL
+// square root (torch's, where it has MKL) a work item runs in blocks of adamw::kBlock elements
+// as in adamw.cpp.
+#include "adamw_bf16.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+
+#include "adamw.h"
+#include "adamw_math.h"
+#include "segments.h"
+#include "simd.h"
+
+namespace mfsdp2 {
+namespace {
+
+using adamw::Coef;
+using adamw::Hyper;
+using adamw::kBlock;
+
+// lowbias32 (C. Wellons' integer hash), the multipliers below 2^31 so that the PyTorch reference
+// computes it in int64 without overflow.
+__attribute__((always_inline)) inline uint32_t h32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21f0aaadu;
+  x ^= x >> 15;
+  x *= 0x735a2d97u;
+  x ^= x >> 15;
+  return x;
+}
+
+__attribute__((always_inline)) inline float widen(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16); }
+
+// Stochastic rounding to bfloat16 with 16 random bits ``r``; every NaN becomes 0x7FC0.
+__attribute__((always_inline)) inline uint16_t narrow(float x, uint32_t r) {
+  const uint16_t t = static_cast<uint16_t>((bits_of(x) + r) >> 16);
+  return x != x ? static_cast<uint16_t>(0x7FC0) : t;
+}
+
+// The moments of one run of elements; ``lo0``: the low 32 bits of the first element's index in
+// its parameter (the run never crosses a multiple of 2^32), ``salt``: the run's hash salt. With
+// kMkl the float32 moment goes to ``mo`` and the square root's argument to ``second`` (the
+// update follows); without, the parameter is updated here with an IEEE square root.
+template <bool kFmaLerp, bool kFmaAddcmul, bool kAmsgrad, bool kMkl>
+MFSDP2_CLONES void run_bf16(float* __restrict p, const float* __restrict g, uint16_t* __restrict m,
+                            uint16_t* __restrict v, uint16_t* __restrict vmax, float* __restrict mo,
+                            float* __restrict second, int64_t n, const Coef<float> c, uint32_t salt, uint32_t lo0) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = adamw::signed_grad(g[i], c);
+    float mn, vn;
+    adamw::moments_of<float, kFmaLerp, kFmaAddcmul>(gi, widen(m[i]), widen(v[i]), c, mn, vn);
+    const uint32_t r = h32((lo0 + static_cast<uint32_t>(i)) ^ salt);
+    float s = vn;
+    if constexpr (kAmsgrad) {
+      s = adamw::maximum_of(widen(vmax[i]), vn);
+      vmax[i] = narrow(s, h32(r ^ 0x9e3779b9u) >> 16);
+    }
+    m[i] = narrow(mn, r >> 16);
+    v[i] = narrow(vn, r & 0xffffu);
+    if constexpr (kMkl) {
+      mo[i] = mn;
+      second[i] = s;
+    } else {
+      p[i] = adamw::updated(p[i], mn, std::sqrt(s), c);
+    }
+  }
+}
+
+// The parameters' update from the block's float32 moments and square roots.
+MFSDP2_CLONES void update_block(float* __restrict p, const float* __restrict mo, const float* __restrict root,
+                                int64_t n, const Coef<float> c) {
+  for (int64_t i = 0; i < n; ++i) p[i] = adamw::updated(p[i], mo[i], root[i], c);
+}
+
+template <bool kFmaLerp, bool kFmaAddcmul, bool kAmsgrad>
+void step_item(float* p, const float* g, uint16_t* m, uint16_t* v, uint16_t* vmax, int64_t n, const Coef<float>& c,
+               uint32_t salt, uint32_t lo0, bool mkl_sqrt) {
+  if (!mkl_sqrt) {
+    run_bf16<kFmaLerp, kFmaAddcmul, kAmsgrad, false>(p, g, m, v, vmax, nullptr, nullptr, n, c, salt, lo0);
+    return;
+  }
+  alignas(64) float mo[kBlock];
+  alignas(64) float root[kBlock];
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t k = std::min(kBlock, n - b);
+    run_bf16<kFmaLerp, kFmaAddcmul, kAmsgrad, true>(nullptr, g + b, m + b, v + b, kAmsgrad ? vmax + b : nullptr, mo,
+                                                    root, k, c, salt, lo0 + static_cast<uint32_t>(b));
+    adamw::vml_sqrt(root, k);
+    update_block(p + b, mo, root, k, c);
+  }
+}
+
+template <bool kFmaLerp, bool kFmaAddcmul>
+void step_item_any(float* p, const float* g, uint16_t* m, uint16_t* v, uint16_t* vmax, int64_t n,
+                   const Coef<float>& c, uint32_t salt, uint32_t lo0, bool mkl_sqrt) {
+  if (c.amsgrad)
+    step_item<kFmaLerp, kFmaAddcmul, true>(p, g, m, v, vmax, n, c, salt, lo0, mkl_sqrt);
+  else
+    step_item<kFmaLerp, kFmaAddcmul, false>(p, g, m, v, vmax, n, c, salt, lo0, mkl_sqrt);
+}
+
+// A work item: elements [begin, end) of flat ``flat``, of segment ``seg``, whose first element is
+// element ``elem`` of its parameter.
+struct Bf16Item {
+  int64_t flat, begin, end, seg, elem;
+};
+
+void check_flat(const at::Tensor& x, at::ScalarType dtype, int64_t numel, const char* name, size_t f) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(), "adamw_step_bf16: ", name, "[", f,
+              "] must be a contiguous 1-D CPU tensor, got ", x.sizes(), " on ", x.device());
+  TORCH_CHECK(x.scalar_type() == dtype && x.numel() == numel, "adamw_step_bf16: ", name, "[", f, "] must be ",
+              dtype, " with ", numel, " elements (as params[", f, "]), got ", x.scalar_type(), " with ", x.numel());
+}
+
+}  // namespace
+
+uint32_t bf16_salt(int64_t seed, int64_t param_id, double step) {
+  const uint32_t a = h32(static_cast<uint32_t>(static_cast<uint64_t>(step)));
+  const uint32_t b = h32(a ^ static_cast<uint32_t>(param_id));
+  return h32(b ^ static_cast<uint32_t>(seed));
+}
+
+void adamw_step_bf16(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                     const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                     const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& steps,
+                     const at::Tensor& segments, const at::Tensor& hyper, int64_t seed, bool fma_lerp,
+                     bool fma_addcmul, bool mkl_sqrt) {
+  TORCH_CHECK(!mkl_sqrt || has_vml_sqrt(), "adamw_step_bf16: mkl_sqrt asked for, but this torch exports no MKL VML sqrt");
+  const size_t nf = params.size();
+  TORCH_CHECK(grads.size() == nf && exp_avgs.size() == nf && exp_avg_sqs.size() == nf &&
+                  max_exp_avg_sqs.size() == nf && steps.size() == nf,
+              "adamw_step_bf16: params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs and steps must have one entry "
+              "per flat tensor (", nf, ")");
+  TORCH_CHECK(hyper.device().is_cpu() && hyper.scalar_type() == at::kDouble && hyper.dim() == 2 &&
+                  hyper.size(1) == 7 && hyper.is_contiguous(),
+              "adamw_step_bf16: hyper must be a contiguous float64 [rows, 7] CPU tensor");
+  TORCH_CHECK(segments.device().is_cpu() && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
+                  segments.size(1) == 7 && segments.is_contiguous(),
+              "adamw_step_bf16: segments must be a contiguous int64 [n, 7] CPU tensor, got ", segments.sizes());
+  std::vector<Hyper> hy(hyper.size(0));
+  const double* hp = hyper.data_ptr<double>();
+  for (size_t r = 0; r < hy.size(); ++r) {
+    const double* h = hp + 7 * r;
+    hy[r] = {h[0], h[1], h[2], h[3], h[4], h[5] != 0.0, h[6] != 0.0};
+  }
+  const int64_t n = segments.size(0);
+  const int64_t* seg = segments.data_ptr<int64_t>();
+  std::vector<bool> needs_max(nf, false);
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> spans;
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t* r = seg + 7 * s;
+    TORCH_CHECK(r[0] >= 0 && r[0] < static_cast<int64_t>(nf), "adamw_step_bf16: segment ", s, " names flat ", r[0],
+                " of ", nf);
+    TORCH_CHECK(r[3] >= 0 && r[3] < static_cast<int64_t>(hy.size()), "adamw_step_bf16: segment ", s,
+                " names hyper row ", r[3], " of ", hy.size());
+    const at::Tensor& st = steps[r[0]];
+    TORCH_CHECK(st.device().is_cpu() && st.scalar_type() == at::kFloat && st.dim() == 1 && st.is_contiguous(),
+                "adamw_step_bf16: steps[", r[0], "] must be a contiguous 1-D float32 CPU tensor");
+    TORCH_CHECK(r[4] >= 0 && r[4] < st.numel(), "adamw_step_bf16: segment ", s, " names step slot ", r[4], " of ",
+                st.numel());
+    const int64_t numel = params[r[0]].numel();
+    TORCH_CHECK(r[2] >= 0 && (r[2] == 0 || (r[1] >= 0 && r[1] <= numel && r[2] <= numel - r[1])),
+                "adamw_step_bf16: segment ", s, " (offset ", r[1], ", length ", r[2], ") lies outside flat ", r[0],
+                " of ", numel, " elements");
+    TORCH_CHECK(r[5] >= 0 && r[6] >= 0, "adamw_step_bf16: segment ", s, " has a negative parameter id or element");
+    if (r[2] > 0) {
+      spans.emplace_back(r[0], r[1], r[1] + r[2]);
+      if (hy[r[3]].amsgrad) needs_max[r[0]] = true;
+    }
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t k = 1; k < spans.size(); ++k) {
+    TORCH_CHECK(std::get<0>(spans[k]) != std::get<0>(spans[k - 1]) || std::get<1>(spans[k]) >= std::get<2>(spans[k - 1]),
+                "adamw_step_bf16: segments overlap in flat ", std::get<0>(spans[k]), "; each element may be stepped once");
+  }
+  for (size_t f = 0; f < nf; ++f) {
+    const int64_t numel = params[f].numel();
+    check_flat(params[f], at::kFloat, numel, "params", f);
+    check_flat(grads[f], at::kFloat, numel, "grads", f);
+    check_flat(exp_avgs[f], at::kBFloat16, numel, "exp_avgs", f);
+    check_flat(exp_avg_sqs[f], at::kBFloat16, numel, "exp_avg_sqs", f);
+    if (needs_max[f]) check_flat(max_exp_avg_sqs[f], at::kBFloat16, numel, "max_exp_avg_sqs", f);
+  }
+  // Count the steps, make each segment's coefficients and salt, cut segments into work items
+  // (at kItem elements and at multiples of 2^32 of the element index: the hash takes 32 bits).
+  std::vector<Coef<float>> coefs(n);
+  std::vector<uint32_t> salts(n);
+  std::vector<Bf16Item> items;
+  int64_t total = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t* r = seg + 7 * s;
+    const double step = adamw::count_step(steps[r[0]], r[4]);
+    coefs[s] = adamw::coefficients<float>(hy[r[3]], step);
+    salts[s] = bf16_salt(seed, r[5], step);
+    for (int64_t b = 0; b < r[2];) {
+      const int64_t elem = r[6] + b;
+      const int64_t to_wrap = (int64_t(1) << 32) - (elem & 0xffffffffLL);
+      const int64_t k = std::min({kItem, r[2] - b, to_wrap});
+      items.push_back({r[0], r[1] + b, r[1] + b + k, s, elem});
+      b += k;
+    }
+    total += r[2];
+  }
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t grain = total >= 4 * kItem ? 1 : (count > 0 ? count : 1);
+  at::parallel_for(0, count, grain, [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k) {
+      const Bf16Item& it = items[k];
+      const Coef<float>& c = coefs[it.seg];
+      const uint32_t hi = static_cast<uint32_t>(it.elem >> 32);
+      const uint32_t salt = hi ? h32(salts[it.seg] ^ hi) : salts[it.seg];
+      const uint32_t lo0 = static_cast<uint32_t>(it.elem);
+      auto bf = [&](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()) + it.begin; };
+      uint16_t* vmax = c.amsgrad ? bf(max_exp_avg_sqs[it.flat]) : nullptr;
+      float* p = params[it.flat].data_ptr<float>() + it.begin;
+      const float* g = grads[it.flat].data_ptr<float>() + it.begin;
+      uint16_t* m = bf(exp_avgs[it.flat]);
+      uint16_t* v = bf(exp_avg_sqs[it.flat]);
+      const int64_t len = it.end - it.begin;
+      if (fma_lerp && fma_addcmul) step_item_any<true, true>(p, g, m, v, vmax, len, c, salt, lo0, mkl_sqrt);
+      else if (fma_lerp) step_item_any<true, false>(p, g, m, v, vmax, len, c, salt, lo0, mkl_sqrt);
+      else if (fma_addcmul) step_item_any<false, true>(p, g, m, v, vmax, len, c, salt, lo0, mkl_sqrt);
+      else step_item_any<false, false>(p, g, m, v, vmax, len, c, salt, lo0, mkl_sqrt);
+    }
+  });
+}
+
+}  // namespace mfsdp2

@@ -1,0 +1,114 @@
+"""bfloat16 AdamW moments with stochastic rounding: the pure-PyTorch step, and the hash that
+keys its random bits (the native kernel, ``csrc/adamw_bf16.cpp``, computes the same bits).
+
+Why bfloat16 moments: AdamW keeps two float32 moments per parameter, 8 of the 16 bytes per
+parameter a float32 AdamW run holds; in bfloat16 they take 4, and the step, a memory-bound pass,
+moves 20 bytes per element instead of 28. Why stochastic rounding: a moment stored back to
+nearest loses every update below half a bfloat16 step (eight bits of mantissa): at
+``beta2 = 0.999``, ``exp_avg_sq`` moves by 0.1 % of itself per step, under that step, so it
+freezes at its first values. Rounding up with probability equal to the fraction cut off keeps
+each stored moment exact in expectation, and the error of a run of steps a random walk instead
+of a bias. (Kahan compensation would be exact without randomness, but stores a second bfloat16
+per moment: the bytes saved are gone.)
+
+What is exact: the arithmetic in float32 is torch AdamW's (the for-loop's ops on the widened
+moments: on the CPU the same bits as the native kernel, which checks it reproduces them);
+the parameter is updated from the float32 moments before they are rounded, so the first step's
+parameters equal float32 AdamW's bit for bit, and later steps differ by the moments' rounding
+only. NaN moments are stored as the quiet NaN 0x7FC0.
+
+The random bits of element ``e`` of a parameter (``e`` counted in the parameter's storage
+order, from its first element, whatever the rank holds) at a step are
+``h32(lo(e) ^ salt)``, ``salt = h32(h32(h32(step) ^ param_id) ^ seed)`` (and ``h32(salt ^ hi(e))``
+instead of ``salt`` when ``e >= 2**32``): ``exp_avg`` takes the high 16 bits, ``exp_avg_sq``
+the low 16, ``max_exp_avg_sq`` the high 16 of ``h32(r ^ 0x9E3779B9)``. Keyed so, a run gives
+the same bits at any world size, strategy or thread count, and HSDP replicas stay identical.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["h32", "salt", "stochastic_round", "random_bits", "step_piece"]
+
+_M = 0xFFFFFFFF
+
+
+def h32(x):
+    """lowbias32 on an int or an int64 tensor of values in [0, 2**32): multipliers below 2**31,
+    so an int64 product never overflows."""
+    if isinstance(x, int):
+        x ^= x >> 16
+        x = (x * 0x21F0AAAD) & _M
+        x ^= x >> 15
+        x = (x * 0x735A2D97) & _M
+        return x ^ (x >> 15)
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M
+    return x ^ (x >> 15)
+
+
+def salt(seed: int, param_id: int, step: float) -> int:
+    """The hash salt of one parameter's step (``bf16_salt`` in the native module)."""
+    a = h32(int(step) & _M)
+    b = h32(a ^ (param_id & _M))
+    return h32(b ^ (seed & _M))
+
+
+def random_bits(s: int, first_elem: int, n: int, device: torch.device) -> torch.Tensor:
+    """The 32 random bits (int64) of elements ``first_elem .. first_elem + n`` under salt ``s``."""
+    e = torch.arange(first_elem, first_elem + n, dtype=torch.int64, device=device)
+    hi = e >> 32
+    s_e = torch.full_like(e, s)
+    if first_elem + n > (1 << 32):
+        s_e = torch.where(hi == 0, s_e, h32(s_e ^ (hi & _M)))
+    return h32((e & _M) ^ s_e)
+
+
+def stochastic_round(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` to bfloat16: its bits plus the 16 random bits ``r16`` (int64 in [0, 2**16)),
+    truncated; NaN to 0x7FC0."""
+    u = x.view(torch.int32).to(torch.int64) & _M
+    t = (u + r16) >> 16
+    t = torch.where(torch.isnan(x), torch.full_like(t, 0x7FC0), t)
+    return torch.where(t >= 0x8000, t - 0x10000, t).to(torch.int16).view(torch.bfloat16)
+
+
+def step_piece(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               max_exp_avg_sq: Optional[torch.Tensor], step_t: torch.Tensor, group: dict, *, seed: int,
+               param_id: int, first_elem: int) -> None:
+    """One AdamW step of one piece, in place: ``param`` / ``grad`` float32, the moments bfloat16
+    (any shape, all of one numel and contiguous), ``step_t`` torch's step counter. The for-loop
+    AdamW's ops in order, on the widened moments."""
+    lr, (beta1, beta2) = float(group["lr"]), (float(b) for b in group["betas"])
+    eps, wd = float(group["eps"]), float(group["weight_decay"])
+    step_t += 1
+    if param.numel() == 0:
+        return
+    p, g = param.view(-1), grad.reshape(-1)
+    if wd != 0:
+        p.mul_(1 - lr * wd)
+    if group["maximize"]:
+        g = -g
+    m = exp_avg.view(-1).float()
+    v = exp_avg_sq.view(-1).float()
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step = float(step_t.item())
+    bc2_sqrt = (1 - beta2 ** step) ** 0.5
+    step_size = lr / (1 - beta1 ** step)
+    r = random_bits(salt(seed, param_id, step), first_elem, p.numel(), p.device)
+    if group["amsgrad"]:
+        vmax = max_exp_avg_sq.view(-1).float()
+        torch.maximum(vmax, v, out=vmax)
+        denom = (vmax.sqrt() / bc2_sqrt).add_(eps)
+        max_exp_avg_sq.view(-1).copy_(stochastic_round(vmax, h32(r ^ 0x9E3779B9) >> 16))
+    else:
+        denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    p.addcdiv_(m, denom, value=-step_size)
+    exp_avg.view(-1).copy_(stochastic_round(m, r >> 16))
+    exp_avg_sq.view(-1).copy_(stochastic_round(v, r & 0xFFFF))
