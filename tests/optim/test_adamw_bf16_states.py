@@ -11,7 +11,8 @@
 * Sharded: every strategy (ZeRO-3/2/1, no_shard, HSDP, CPU offload), with and without the
   native kernel, gives the same bits as the reference applied to the unsharded parameters (the
   random bits are keyed by parameter and element, not by rank); state dicts load into torch's
-  AdamW and back; float64 weights are refused, naming the parameter.
+  AdamW and back; float64 weights are refused, naming the parameter. Under CPU offload,
+  ``step_in_backward=True`` gives the same bits as the step after backward.
 """
 
 from __future__ import annotations
@@ -309,3 +310,37 @@ def _bf16_ranks(rank, ws):
 @pytest.mark.slow
 def test_every_strategy_equals_the_unsharded_reference():
     assert run_ranks(_bf16_ranks, 2) == [2 * len(LAYOUTS)] * 2
+
+
+def _offload_overlap(rank, ws):
+    """CPU offload with bfloat16 moments, with and without ``step_in_backward``: three real
+    training steps, the same bits, and the steps really ran in backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from mfsdp2 import fully_shard
+
+    from ..models import sharded_train_step
+
+    mesh = init_device_mesh("cpu", (ws,))
+    runs = {}
+    for sib in (False, True):
+        model = build("net")
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        opt = AdamW(model.parameters(), lr=1e-2, state_dtype=BF16, step_in_backward=sib)
+        for s in range(3):
+            sharded_train_step(model, opt, s, rank, ws, 8)
+        runs[sib] = ({n: full(p) for n, p in model.named_parameters()},
+                     {(n, k): full(v.float()) for n, p in model.named_parameters() for k, v in opt.state[p].items()
+                      if k != "step"}, opt._overlap.jobs_done if sib else 0)
+    (p0, s0, _), (p1, s1, done) = runs[False], runs[True]
+    assert all(same_bits(p0[k], p1[k]) for k in p0) and all(same_bits(s0[k], s1[k]) for k in s0)
+    return done
+
+
+@pytest.mark.slow
+def test_offload_step_in_backward_gives_the_same_bits():
+    done = run_ranks(_offload_overlap, 2)
+    assert done[0] == done[1] == 4 * 3, done  # 4 offloaded groups (3 blocks, the root) per step
