@@ -13,7 +13,7 @@ reports what it did. Steps, in order:
 3. ``gates``: which device-side gate the late-collectives harness can use on this driver
    (``python -m tests._late_streams``, each in a subprocess with a timeout); the one that works
    is passed on as ``MFSDP2_SLOW_GATE``.
-4. ``cuda_tests``: ``tests/test_cuda.py`` and the two-ranks-on-one-GPU suite
+4. ``cuda_tests``: ``tests/test_cuda.py``, ``tests/optim/test_optim_cuda.py`` and the two-ranks-on-one-GPU suite
    (``tests/comm/test_slow_collectives.py`` and its harness tests), ``pytest -n`` by file.
 5. ``benchmark``: ``benchmarks/gpu.py`` at world size 1 (mfsdp2 and FSDP2: step time, memory
    including ``max_memory_allocated`` / ``max_memory_reserved``).
@@ -45,7 +45,8 @@ import xml.etree.ElementTree as ET
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CUDA_TESTS = ["tests/test_cuda.py", "tests/comm/test_slow_collectives.py", "tests/comm/test_slow_collectives_harness.py"]
+CUDA_TESTS = ["tests/test_cuda.py", "tests/optim/test_optim_cuda.py", "tests/comm/test_slow_collectives.py",
+              "tests/comm/test_slow_collectives_harness.py"]
 # --dry-run: one fast CPU test per pytest step (the plumbing, not the suite)
 DRY_TESTS = {
     "cuda_tests": ["tests/memory/test_offload_copies.py::test_copies_between_host_memories_block_and_record_nothing"],
