@@ -32,7 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("fma_lerp"), py::arg("fma_addcmul"), py::arg("mkl_sqrt"), py::call_guard<py::gil_scoped_release>());
   m.def("adamw_step_bf16", &mfsdp2::adamw_step_bf16, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
         py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("steps"), py::arg("segments"), py::arg("hyper"),
-        py::arg("seed"), py::arg("fma_lerp"), py::arg("fma_addcmul"), py::arg("mkl_sqrt"),
+        py::arg("seed"), py::arg("fma_lerp"), py::arg("fma_addcmul"),
         py::call_guard<py::gil_scoped_release>());
   m.def("bf16_salt", &mfsdp2::bf16_salt, py::arg("seed"), py::arg("param_id"), py::arg("step"),
         "The hash salt of one parameter's step under adamw_step_bf16.");

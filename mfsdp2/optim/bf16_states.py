@@ -11,11 +11,14 @@ each stored moment exact in expectation, and the error of a run of steps a rando
 of a bias. (Kahan compensation would be exact without randomness, but stores a second bfloat16
 per moment: the bytes saved are gone.)
 
-What is exact: the arithmetic in float32 is torch AdamW's (the for-loop's ops on the widened
-moments: on the CPU the same bits as the native kernel, which checks it reproduces them);
-the parameter is updated from the float32 moments before they are rounded, so the first step's
-parameters equal float32 AdamW's bit for bit, and later steps differ by the moments' rounding
-only. NaN moments are stored as the quiet NaN 0x7FC0.
+What is exact: the arithmetic in float32 is torch AdamW's for-loop ops on the widened moments,
+with one difference: the square root is IEEE's (correctly rounded) where torch's CPU sqrt is
+MKL's, which rounds about 0.7 % of results the other way (these moments are not torch's format,
+so there are no torch bits to keep, and the native kernel's single loop is faster than the
+blocks an MKL root needs). On the CPU the native kernel computes this function's bits. The
+parameter is updated from the float32 moments before they are rounded, so a step is float32
+AdamW's step (IEEE root) from the stored moments, and the first step's parameters are float32
+AdamW's up to the root's rounding. NaN moments are stored as the quiet NaN 0x7FC0.
 
 The random bits of element ``e`` of a parameter (``e`` counted in the parameter's storage
 order, from its first element, whatever the rank holds) at a step are
@@ -31,7 +34,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["h32", "salt", "stochastic_round", "random_bits", "step_piece"]
+__all__ = ["h32", "ieee_sqrt", "salt", "stochastic_round", "random_bits", "step_piece"]
 
 _M = 0xFFFFFFFF
 
@@ -78,12 +81,23 @@ def stochastic_round(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
     return torch.where(t >= 0x8000, t - 0x10000, t).to(torch.int16).view(torch.bfloat16)
 
 
+def ieee_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """A correctly rounded square root: numpy's on the CPU (torch's CPU sqrt is MKL's, not
+    correctly rounded), torch's on accelerators (CUDA's sqrtf is)."""
+    if x.device.type != "cpu":
+        return x.sqrt()
+    import numpy as np
+
+    with np.errstate(invalid="ignore"):
+        return torch.from_numpy(np.sqrt(x.contiguous().numpy()))
+
+
 def step_piece(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                max_exp_avg_sq: Optional[torch.Tensor], step_t: torch.Tensor, group: dict, *, seed: int,
                param_id: int, first_elem: int) -> None:
     """One AdamW step of one piece, in place: ``param`` / ``grad`` float32, the moments bfloat16
     (any shape, all of one numel and contiguous), ``step_t`` torch's step counter. The for-loop
-    AdamW's ops in order, on the widened moments."""
+    AdamW's ops in order, on the widened moments, with an IEEE square root."""
     lr, (beta1, beta2) = float(group["lr"]), (float(b) for b in group["betas"])
     eps, wd = float(group["eps"]), float(group["weight_decay"])
     step_t += 1
@@ -105,10 +119,10 @@ def step_piece(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     if group["amsgrad"]:
         vmax = max_exp_avg_sq.view(-1).float()
         torch.maximum(vmax, v, out=vmax)
-        denom = (vmax.sqrt() / bc2_sqrt).add_(eps)
+        denom = (ieee_sqrt(vmax) / bc2_sqrt).add_(eps)
         max_exp_avg_sq.view(-1).copy_(stochastic_round(vmax, h32(r ^ 0x9E3779B9) >> 16))
     else:
-        denom = (v.sqrt() / bc2_sqrt).add_(eps)
+        denom = (ieee_sqrt(v) / bc2_sqrt).add_(eps)
     p.addcdiv_(m, denom, value=-step_size)
     exp_avg.view(-1).copy_(stochastic_round(m, r >> 16))
     exp_avg_sq.view(-1).copy_(stochastic_round(v, r & 0xFFFF))

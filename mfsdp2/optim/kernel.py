@@ -163,7 +163,7 @@ class NativeStep:
                 [fs.exp_avg_sq for fs in fss],
                 [fs.max_exp_avg_sq if fs.max_exp_avg_sq is not None else empty for fs in fss],
                 [fs.steps for fs in fss], torch.tensor(rows, dtype=torch.int64),
-                torch.tensor(self.hyper, dtype=torch.float64), self.bf16_seed, *self.arithmetic)
+                torch.tensor(self.hyper, dtype=torch.float64), self.bf16_seed, *self.arithmetic[:2])
             return
         rows = [(k, *fss[k].pieces[i], row, i) for k, i, row, _ in self.rows]
         self.mod.adamw_step([fs.weight for fs in fss], [fs.grad_span() for fs in fss], [fs.exp_avg for fs in fss],

@@ -249,7 +249,7 @@ def test_single_loop_variant_equals_ieee_reference(n, cfg, nonfinite):
         assert same_bits(a, b)
     bf = [p0.clone(), m0.to(torch.bfloat16), v0.to(torch.bfloat16), v0.to(torch.bfloat16)]
     mod.adamw_step_bf16([bf[0]], [g], [bf[1]], [bf[2]], [bf[3]], [torch.zeros(1)],
-                        torch.tensor([[0, 0, n, 0, 0, 5, 0]]), hyper, 9, *fma, False)
+                        torch.tensor([[0, 0, n, 0, 0, 5, 0]]), hyper, 9, *fma)
     assert same_bits(bf[0], ref[0])
     r = random_bits(salt(9, 5, 1.0), 0, n, torch.device("cpu"))
     want = [stochastic_round(ref[1], r >> 16), stochastic_round(ref[2], r & 0xFFFF)]
