@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--allocator", default="caching", choices=["caching", "trace_pool", "dynamic"])
     p.add_argument("--no-hold-between-steps", action="store_true",
                    help="CachingAllocator(hold_between_steps=False): keep no block through the optimizer step")
+    p.add_argument("--storage-swap", default="auto", choices=["auto", "on", "off"],
+                   help="gathered weights in the allocator's blocks (torch >= 2.13) or torch's own memory "
+                        "(off: torch 2.11-2.12, MFSDP2_NO_STORAGE_SWAP=1); default: what this torch does")
     p.add_argument("--rank", type=int, help="report this rank (default: the one holding most)")
     p.add_argument("--json", action="store_true", help="print the JSON form")
     return p.parse_args(argv)
@@ -115,6 +118,7 @@ def main(argv=None) -> int:
         mp_policy=mp, offload=a.offload, optimizer=a.optimizer, optimizer_impl=a.optimizer_impl,
         prefetch_depth=a.prefetch, reshard_after_forward=raf, batch_size=a.batch, seq_len=a.seq,
         device=a.device, allocator=a.allocator, hold_between_steps=not a.no_hold_between_steps, rank=a.rank,
+        storage_swap=None if a.storage_swap == "auto" else a.storage_swap == "on",
     )
     sys.stdout.write(f"{est.to_json() if a.json else est}\n")
     return 0

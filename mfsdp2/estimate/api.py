@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
+from ..integrations import compat
 from ..precision.mixed_precision import MixedPrecisionPolicy
 from ..frontend.strategy import ShardingStrategy
 from .plan import OPTIMIZERS, UnitsArg, _itemsize, optimizer_temp_bytes, persistent_bytes, plan_units, resolve_units
@@ -71,6 +72,7 @@ def estimate_memory(
     bucket_cap_mb: float = 25.0,
     rank: Optional[int] = None,
     shard_dims: Optional[Callable[[str, nn.Parameter], int]] = None,
+    storage_swap: Optional[bool] = None,
 ) -> MemoryEstimate:
     """Predict the per-rank memory of a training step of ``model`` sharded by mfsdp2.
 
@@ -92,6 +94,11 @@ def estimate_memory(
     float sum of the output); without any, activations are not estimated (a note says so).
     ``device``: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL): the collectives' buffers and where the
     optimizer's step counters live. ``rank``: the rank to report (default: the one holding most).
+    ``storage_swap``: whether the training torch re-points the gathered weights' storage at the
+    allocator's blocks (``UntypedStorage._swap_data_ptr_``, torch >= 2.13); False: they take
+    torch's own memory (``storage.resize_``), which the allocator counts but does not hold, so
+    it caches and pools only the rest. Default: what this torch does
+    (:data:`mfsdp2.integrations.compat.HAS_STORAGE_SWAP`, ``MFSDP2_NO_STORAGE_SWAP=1`` included).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"mfsdp2.estimate_memory: model must be an nn.Module, got {type(model).__name__}")
@@ -157,8 +164,11 @@ def estimate_memory(
         marks, input_bytes = default_marks(len(plans)), 0
         buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         notes.append("activations not estimated: pass inputs= or batch_size= (and seq_len=) for a fake-tensor step")
+    if storage_swap is None:
+        storage_swap = compat.HAS_STORAGE_SWAP
     cfg = StepConfig(strategy, shard_world, replicate, prefetch_depth, raf, root_reshard_after_forward,
-                     "nccl" if device == "cuda" else "gloo", offload, int(bucket_cap_mb * 2**20))
+                     "nccl" if device == "cuda" else "gloo", offload, int(bucket_cap_mb * 2**20),
+                     storage_swap=bool(storage_swap))
     replay = simulate(plans, marks, cfg, temps_device, allocator, device, hold_between_steps)
     transient, point, held = transient_at_peak(replay)
     if replay.first_step_peak > transient:
@@ -215,8 +225,8 @@ def estimate_memory(
                      f"{_dtype_name(mp.main_params_dtype)}",
         "optimizer": f"{optimizer} ({impl})", "prefetch_depth": prefetch_depth,
         "reshard_after_forward": reshard_after_forward, "root_reshard_after_forward": root_reshard_after_forward,
-        "allocator": allocator, "device": device, "offload": offload, "units": len(plans),
-        "params": sum(u["params"] for u in unit_rows),
+        "allocator": allocator, "storage_swap": cfg.storage_swap, "device": device, "offload": offload,
+        "units": len(plans), "params": sum(u["params"] for u in unit_rows),
     }
     config["peak_step"] = point.step
     return MemoryEstimate(peak, at_peak, point.label, sizes, host, unit_rows, config, rank, notes)

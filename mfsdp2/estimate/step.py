@@ -6,9 +6,11 @@ hooks do to its allocator (see ``hooks.py``, ``grad_reduction.py``, ``grad_bucke
 
 * **forward**: the root's forward releases the main gradients the last ``zero_grad`` cleared and
   begins a step (``mark_step``); each unit's pre-forward gathers it (one ``"weight"`` block per
-  ZeRO-3 group, its full buffer in the compute dtype; FP8 groups also a float8 block freed at the
-  wait) and prefetches the next ``prefetch_depth`` units of the recorded order (none in the first
-  step, which records it); the post-forward frees them unless ``reshard_after_forward`` is False
+  ZeRO-3 group, its full buffer in the compute dtype -- on a torch without storage swapping
+  torch's own memory, which the allocator only counts (``account``): it is never cached, pooled
+  or planned; FP8 groups also a float8 block freed at the wait) and prefetches the next
+  ``prefetch_depth`` units of the recorded order (none in the first step, which records it);
+  the post-forward frees them unless ``reshard_after_forward`` is False
   (the root's default) or keeps ``N/k`` shards for an int ``k`` (outside the allocator; the
   backward's gather inside the group writes the buffer itself and drops them at its wait). The
   root's post-forward ends the allocator's forward phase (``release_idle("backward")``).
@@ -60,6 +62,9 @@ class StepConfig:
     offloaded: bool = False
     bucket_cap_bytes: int = 25 * 2**20
     max_reduce_in_flight: int = 1
+    # Whether gathered weights are allocator blocks (``UntypedStorage._swap_data_ptr_``); else
+    # torch's own memory (``storage.resize_``), which the allocator only counts (buffer.py).
+    storage_swap: bool = True
 
 
 @dataclass
@@ -154,7 +159,10 @@ class _Sim:
         if self.unsharded[u] or not self._gathers(u):
             return
         for g in self.plans[u].groups:
-            self.alloc(("weight", u, g.index), g.total, g.compute_dtype)
+            if self.cfg.storage_swap:
+                self.alloc(("weight", u, g.index), g.total, g.compute_dtype)
+            else:  # torch's memory: counted as live, never cached, pooled or planned
+                self.alloc_impl.account(("weight", u, g.index), g.total * _itemsize(g.compute_dtype))
             if g.fp8 is not None:
                 self.alloc(("fp8", u, g.index), g.total, g.fp8)
         self.unsharded[u] = True

@@ -313,3 +313,25 @@ def test_estimate_against_measured_breakdown_world_size_2():
                          + e.at_peak["buffers"] + sum(allocator.values()) + m["idle_at_peak"])
                 act = m["peak"] - exact
                 assert abs(e.at_peak["activations"] - act) <= 0.1 * act, (case, e.at_peak["activations"], act)
+
+
+def test_storage_swap_decides_whether_the_allocator_holds_gathered_weights():
+    """With storage swapping (torch >= 2.13) gathered weights are the allocator's blocks: a layer
+    of 32 MiB+ on the CPU is cached through the optimizer step for the next forward's opening
+    requests (the first layer and its prefetched successor). Without it (torch 2.11-2.12,
+    ``MFSDP2_NO_STORAGE_SWAP=1``) they are torch's memory (``storage.resize_``): the allocator
+    counts them as live but holds nothing of them, so only the main gradients remain after the
+    step, and the same bytes are gathered at the peak. The measured comparison above checks the
+    running torch's mode; this one both, against each other."""
+    from mfsdp2.integrations import compat
+
+    model = _meta_llama(BIG)
+    kw = dict(units=TransformerBlock, mesh_shape=2, batch_size=BATCH, seq_len=SEQ, device="cpu")
+    swap, plain = (estimate_memory(model, storage_swap=s, **kw) for s in (True, False))
+    assert estimate_memory(model, **kw).config["storage_swap"] is compat.HAS_STORAGE_SWAP
+    assert (swap.config["storage_swap"], plain.config["storage_swap"]) == (True, False)
+    layer = swap.sizes["largest_unit_gathered"]
+    assert layer >= 32 * 2**20
+    assert swap.sizes["allocator_held_at_optimizer_step"] == swap.sizes["main_grads"] + 2 * layer
+    assert plain.sizes["allocator_held_at_optimizer_step"] == plain.sizes["main_grads"]
+    assert plain.at_peak == swap.at_peak and plain.at_peak["gathered_weights"] >= layer

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import mfsdp2.memory.allocator as A
 import mfsdp2.optim
 from mfsdp2 import TracePoolAllocator, fully_shard
+from mfsdp2.integrations import compat
 from mfsdp2.memory.allocator import CachingAllocator
 
 from .._dist import run_ranks
@@ -186,7 +187,9 @@ def test_training_step_holds_nothing_idle_where_activations_are_allocated(alloca
         # Forward and the loss: no main gradient, nothing idle (the blocks are small: malloc's).
         assert r["main_grads_in_forward"] == [0] * steps, r
         assert r["idle_after_forward"] == [0] * steps and r["idle_after_step"] == 0, r
-        if allocator == "caching":
+        if allocator == "caching" or not compat.HAS_STORAGE_SWAP:
+            # Without storage swapping the gathered weights, the forward's only requests, are
+            # torch's memory (storage.resize_, buffer.py): the trace pool plans no forward pool.
             assert r["idle_in_forward"] == [0] * steps, r
         else:
             # The forward's pool is held until the forward ends (after the last unit's forward,
@@ -201,4 +204,6 @@ def test_training_step_holds_nothing_idle_where_activations_are_allocated(alloca
         assert ids[0] == ids[1] == ids[2] != ids[3] == ids[4], ids
         assert r["user_grad_intact"] and not r["user_grad_is_current"], r
         if allocator == "trace_pool":
-            assert r["pools_held_after_step"] == 0 and r["pool_phases"] == [0, 1], r
+            # without storage swapping only the backward has a pool (flat gradients, reduce-scatter outputs)
+            phases = [0, 1] if compat.HAS_STORAGE_SWAP else [1]
+            assert r["pools_held_after_step"] == 0 and r["pool_phases"] == phases, r
