@@ -11,7 +11,8 @@
 * Sharded: every strategy (ZeRO-3/2/1, no_shard, HSDP, CPU offload), with and without the
   native kernel, gives the same bits as the reference applied to the unsharded parameters (the
   random bits are keyed by parameter and element, not by rank); state dicts load into torch's
-  AdamW and back; float64 weights are refused, naming the parameter. Under CPU offload,
+  AdamW and back, and through DCP into bfloat16 and float32 moments; float64 weights are
+  refused, naming the parameter. Under CPU offload,
   ``step_in_backward=True`` gives the same bits as the step after backward.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
 
+from mfsdp2.checkpoint import state_dict as msd
 from mfsdp2.optim import AdamW, kernel
 from mfsdp2.optim.bf16_states import random_bits, salt, step_piece, stochastic_round
 from mfsdp2.precision import native
@@ -212,7 +215,7 @@ def _unsharded_reference(groups_cfg, grads_per_step, seed):
     return {n: p.detach() for n, p in named}, state
 
 
-def _bf16_ranks(rank, ws):
+def _bf16_ranks(rank, ws, path):
     meshes = _meshes()
     seed = 11
     case = dict(seed=4, nonfinite=True, skip=True)
@@ -258,6 +261,30 @@ def _bf16_ranks(rank, ws):
                         assert same_bits(full(t.float()), ref.float()), f"{what}: {k} of {n}"
             checked += 1
             if layout == "optim_grads_params" and variant == "native":
+                # DCP (mfsdp2.checkpoint.state_dict): into a fresh model with bfloat16 moments
+                # (the same bits) and with torch's float32 AdamW (the values widened)
+                ck = os.path.join(path, "dcp_bf16")
+                model_sd, optim_sd = msd.get_state_dict(model, opt)
+                msd.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ck)
+                for kind in ("ours", "torch"):
+                    other = _shard(build("net", seed=4), layout, meshes)
+                    o_by = dict(other.named_parameters())
+                    og = [dict(params=[o_by[n] for n in c["names"]], **{k: v for k, v in c.items() if k != "names"})
+                          for c in groups_cfg]
+                    oo = AdamW(og, state_dtype=BF16, seed=seed) if kind == "ours" else torch.optim.AdamW(og)
+                    m_sd, o_sd = msd.get_state_dict(other, oo)
+                    sd = {"model": m_sd, "optim": o_sd}
+                    msd.load(sd, checkpoint_id=ck)
+                    msd.set_state_dict(other, oo, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+                    for n, p in model.named_parameters():
+                        q = o_by[n]
+                        assert same_bits(full(q), full(p)), (kind, n)
+                        for k in keys:
+                            if k in opt.state[p]:
+                                got = oo.state[q][k]
+                                assert got.dtype == (BF16 if kind == "ours" else torch.float32), (kind, n, k)
+                                assert same_bits(full(got.float()), full(opt.state[p][k].float())), (kind, n, k)
+                        assert oo.state[q]["step"].item() == opt.state[p]["step"].item(), (kind, n)
                 # our state dict into torch's AdamW (float32 moments: the bfloat16 values widened)
                 sd = opt.state_dict()
                 ropt = torch.optim.AdamW([dict(params=[by_name[n] for n in c["names"]],
@@ -293,8 +320,8 @@ def _bf16_ranks(rank, ws):
 
 
 @pytest.mark.slow
-def test_every_strategy_equals_the_unsharded_reference():
-    assert run_ranks(_bf16_ranks, 2) == [2 * len(LAYOUTS)] * 2
+def test_every_strategy_equals_the_unsharded_reference(tmp_path):
+    assert run_ranks(_bf16_ranks, 2, str(tmp_path)) == [2 * len(LAYOUTS)] * 2
 
 
 def _offload_overlap(rank, ws):
