@@ -65,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reduce-dtype", help="reduction dtype")
     p.add_argument("--main-dtype", default="fp32", help="main weights and gradients (default fp32)")
     p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy: main state in host memory")
-    p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd_momentum, adagrad, rmsprop, ...")
+    p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd_momentum, adagrad, rmsprop, ..., "
+                   "mfsdp2_adamw, mfsdp2_adamw_bf16 (mfsdp2.optim.AdamW, float32 / bfloat16 moments)")
     p.add_argument("--optimizer-impl", default="auto", choices=["auto", "single", "foreach", "fused"])
     p.add_argument("--prefetch", type=int, default=1, help="prefetch depth (default 1)")
     p.add_argument("--reshard-after-forward", default="true", help="true, false or an int (ranks per block)")

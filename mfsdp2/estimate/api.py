@@ -87,8 +87,10 @@ def estimate_memory(
     ``CachingAllocator``, the trace pool's fallback too) as given to mfsdp2; ``offload``: as
     ``CPUOffloadPolicy`` (main weights, gradients and optimizer states in host memory).
     ``optimizer``: one of :data:`mfsdp2.estimate.plan.OPTIMIZERS` (``"adamw"``, ``"sgd"``,
-    ``"sgd_momentum"``, ...), ``optimizer_impl``: ``"single"``, ``"foreach"``, ``"fused"`` or
-    ``"auto"`` (torch's default: foreach on CUDA, the single-tensor loop on the CPU).
+    ``"sgd_momentum"``, ..., ``"mfsdp2_adamw"`` and ``"mfsdp2_adamw_bf16"`` for
+    ``mfsdp2.optim.AdamW`` with float32 / bfloat16 moments), ``optimizer_impl``: ``"single"``,
+    ``"foreach"``, ``"fused"`` or ``"auto"`` (torch's default: foreach on CUDA, the single-tensor
+    loop on the CPU; ``mfsdp2.optim.AdamW`` makes no temporaries whatever it says).
     The step's input: ``inputs()`` returning the forward's arguments (called under fake tensors),
     or ``batch_size`` (per rank) with ``seq_len`` for token ids; ``loss_fn(output)`` (default: the
     float sum of the output); without any, activations are not estimated (a note says so).
@@ -136,7 +138,10 @@ def estimate_memory(
     named = resolve_units(model, units)
     plans = plan_units(named, shard_world, mp, shard_dims)
     ranks = range(shard_world)
-    step_on_device = device == "cpu" or impl == "fused"
+    if spec.flat:  # mfsdp2.optim.AdamW: counters beside the states; bfloat16 moments keep them on the host
+        step_on_device = device == "cpu" or spec.state_dtype is None
+    else:
+        step_on_device = device == "cpu" or impl == "fused"
 
     def per_rank(r: int) -> dict[str, int]:
         return persistent_bytes(plans, strategy, offload, r, spec, step_on_device)

@@ -39,12 +39,17 @@ class OptimizerSpec:
     unless fused / capturable, as torch keeps it); ``temps``: parameter-sized temporaries alive at
     once inside the step -- per parameter for the single-tensor loop (plus the previous
     parameter's last one, still held by its local variable: :func:`optimizer_temp_bytes`), over all of a device's parameters for ``foreach`` (torch's ``_foreach_sqrt`` of the second
-    moments, ...), none for ``fused``."""
+    moments, ...), none for ``fused``. ``flat``: the states are flat tensors over the span of the
+    shard holding the rank's pieces, padding between pieces included (``mfsdp2.optim.AdamW``:
+    in-place steps, no temporaries); ``state_dtype``: the states' dtype where it is not the
+    main weights' (bfloat16 moments, whose step counters stay on the host)."""
 
     states: int
     step_tensor: bool
     temps_single: int
     temps_foreach: int
+    flat: bool = False
+    state_dtype: Optional[torch.dtype] = None
 
 
 OPTIMIZERS = {
@@ -60,6 +65,11 @@ OPTIMIZERS = {
     "rmsprop": OptimizerSpec(1, True, 1, 1),
     "rmsprop_momentum": OptimizerSpec(2, True, 1, 1),
     "rmsprop_centered": OptimizerSpec(2, True, 2, 1),
+    # mfsdp2.optim.AdamW: flat states, stepped in place (native kernel / one fused launch per group)
+    "mfsdp2_adamw": OptimizerSpec(2, True, 0, 0, flat=True),
+    "mfsdp2_adamw_amsgrad": OptimizerSpec(3, True, 0, 0, flat=True),
+    "mfsdp2_adamw_bf16": OptimizerSpec(2, True, 0, 0, flat=True, state_dtype=torch.bfloat16),
+    "mfsdp2_adamw_bf16_amsgrad": OptimizerSpec(3, True, 0, 0, flat=True, state_dtype=torch.bfloat16),
 }
 
 
@@ -92,6 +102,14 @@ class GroupPlan:
         """Elements of this rank's rows (the optimizer's states follow these, not the padding)."""
         lo, hi = self.layout.shard_range(rank)
         return sum(max(0, min(hi, s.offset + s.numel) - max(lo, s.offset)) for s in self.layout.slots)
+
+    def local_span(self, rank: int) -> int:
+        """Elements from this rank's first piece to its last, padding between them included (the
+        span ``mfsdp2.optim.AdamW``'s flat states cover)."""
+        lo, hi = self.layout.shard_range(rank)
+        ends = [(max(lo, s.offset), min(hi, s.offset + s.numel)) for s in self.layout.slots
+                if min(hi, s.offset + s.numel) > max(lo, s.offset)]
+        return max(e for _, e in ends) - min(b for b, _ in ends) if ends else 0
 
     def local_pieces(self, rank: int) -> list[int]:
         lo, hi = self.layout.shard_range(rank)
@@ -237,7 +255,8 @@ def persistent_bytes(plans: Iterable[UnitPlan], strategy: ShardingStrategy, offl
             if g.requires_grad:
                 n = g.S if strategy.shards_grads else g.total
                 out["host_main_grads" if offloaded else "main_grads"] += n * _itemsize(g.grad_dtype)
-                states = optimizer.states * g.local_numel(rank) * _itemsize(g.main_dtype)
+                rows = g.local_span(rank) if optimizer.flat else g.local_numel(rank)
+                states = optimizer.states * rows * _itemsize(optimizer.state_dtype or g.main_dtype)
                 steps = 4 * len(g.shapes) if optimizer.step_tensor else 0
                 out["host_optimizer_states" if offloaded else "optimizer_states"] += states
                 out["optimizer_states" if step_on_device and not offloaded else "host_optimizer_states"] += steps

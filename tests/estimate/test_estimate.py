@@ -335,3 +335,54 @@ def test_storage_swap_decides_whether_the_allocator_holds_gathered_weights():
     assert swap.sizes["allocator_held_at_optimizer_step"] == swap.sizes["main_grads"] + 2 * layer
     assert plain.sizes["allocator_held_at_optimizer_step"] == plain.sizes["main_grads"]
     assert plain.at_peak == swap.at_peak and plain.at_peak["gathered_weights"] >= layer
+
+
+# Odd sizes: the layout pads between parameters, which the flat states' spans include
+ODD = dict(vocab_size=51, dim=24, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=37, max_seq_len=16)
+
+
+def _flat_adamw_states(rank: int, ws: int) -> list[dict]:
+    """``mfsdp2.optim.AdamW`` (float32 and bfloat16 moments, amsgrad on and off) after a step, per
+    strategy and with CPU offload: the bytes of its flat states and step counters, as the rank
+    holds them, and the estimate's figure for the same configuration."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from mfsdp2.optim import AdamW
+
+    mesh = init_device_mesh("cpu", (ws,))
+    out = []
+    for strategy in ("optim_grads_params", "optim", "no_shard", "offload"):
+        for bf16 in (False, True):
+            for amsgrad in (False, True):
+                torch.manual_seed(0)
+                model = Transformer(LlamaConfig(**ODD))
+                kw = ({"offload_policy": CPUOffloadPolicy(pin_memory=False)} if strategy == "offload"
+                      else {"sharding_strategy": strategy})
+                for layer in model.layers:
+                    mfsdp2.fully_shard(layer, mesh=mesh, **kw)
+                mfsdp2.fully_shard(model, mesh=mesh, **kw)
+                opt = AdamW(model.parameters(), lr=1e-3, amsgrad=amsgrad,
+                            state_dtype=torch.bfloat16 if bf16 else None)
+                x = torch.randint(0, ODD["vocab_size"], (BATCH, SEQ))
+                nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+                opt.step()
+                measured = sum(t.nbytes for fs in opt._flat.values()
+                               for t in (fs.exp_avg, fs.exp_avg_sq, fs.max_exp_avg_sq, fs.steps) if t is not None)
+                name = "mfsdp2_adamw" + ("_bf16" if bf16 else "") + ("_amsgrad" if amsgrad else "")
+                e = estimate_memory(_meta_llama(ODD), units=TransformerBlock, mesh_shape=ws, optimizer=name,
+                                    sharding_strategy="optim_grads_params" if strategy == "offload" else strategy,
+                                    offload=strategy == "offload", rank=0 if strategy == "no_shard" else rank)
+                out.append({"case": (strategy, name), "measured": measured,
+                            "estimated": e.sizes["optimizer_states"]})  # device and host
+    return out
+
+
+@pytest.mark.slow
+def test_flat_adamw_states_match_the_estimate_world_size_2():
+    for rank, cases in enumerate(run_ranks(_flat_adamw_states, 2)):
+        for c in cases:
+            assert c["estimated"] == c["measured"] > 0, (rank, c)
+        # bfloat16 moments: half the bytes of float32 ones, but for the step counters
+        by = {c["case"]: c["measured"] for c in cases}
+        assert by[("optim_grads_params", "mfsdp2_adamw_bf16")] < 0.51 * by[("optim_grads_params", "mfsdp2_adamw")]
