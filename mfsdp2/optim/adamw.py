@@ -49,7 +49,7 @@ from torch.optim.adam import adam as _adam
 
 from ..integrations.clip_grad import clip_grad_norm_
 from ..memory.param_group import live_groups
-from .bf16_states import step_piece
+from .bf16_states import step_piece, step_pieces
 from .flat_state import FlatState
 from .kernel import NativeStep, _module, native_arithmetic, torch_step
 from .overlap import StepInBackward
@@ -371,10 +371,15 @@ class AdamW(torch.optim.AdamW):
     def _pieces_step(self, group: dict, items: list) -> None:
         """torch's AdamW arithmetic on the plain local tensors of flat pieces: fused on
         accelerators and for ``fused=True``, foreach otherwise; with bfloat16 moments,
-        :func:`~mfsdp2.optim.bf16_states.step_piece` per piece."""
+        :func:`~mfsdp2.optim.bf16_states.step_pieces` per flat state."""
         if self.state_dtype is not None:
+            by_flat: dict[int, tuple] = {}
             for fs, i, p in items:
-                self._bf16_step(group, fs, i, p, p.grad._local_tensor)
+                by_flat.setdefault(id(fs), (fs, []))[1].append(
+                    (*fs.pieces[i], self._pid.get(id(p), 0), fs.first_elem[i], fs.views[i]["step"]))
+            for fs, pieces in by_flat.values():
+                step_pieces(fs.weight, fs.grad_span(), fs.exp_avg, fs.exp_avg_sq, fs.max_exp_avg_sq, pieces, group,
+                            seed=self.seed, cache=fs.bf16_keys)
             return
         by_kind: dict[bool, list] = {}
         for fs, i, p in items:

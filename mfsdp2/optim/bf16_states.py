@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["h32", "ieee_sqrt", "salt", "stochastic_round", "random_bits", "step_piece"]
+__all__ = ["h32", "ieee_sqrt", "salt", "stochastic_round", "random_bits", "step_piece", "step_pieces"]
 
 _M = 0xFFFFFFFF
 
@@ -92,37 +92,110 @@ def ieee_sqrt(x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.sqrt(x.contiguous().numpy()))
 
 
+def _arith(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, vmax: Optional[torch.Tensor],
+           group: dict, step: float) -> None:
+    """torch's for-loop AdamW ops, in place on 1-D float32 tensors (``m``, ``v``, ``vmax``: the
+    widened moments), with an IEEE square root; elementwise, so an element's bits do not depend
+    on which other elements share the call."""
+    lr, (beta1, beta2) = float(group["lr"]), (float(b) for b in group["betas"])
+    eps, wd = float(group["eps"]), float(group["weight_decay"])
+    if wd != 0:
+        p.mul_(1 - lr * wd)
+    if group["maximize"]:
+        g = -g
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bc2_sqrt = (1 - beta2 ** step) ** 0.5
+    step_size = lr / (1 - beta1 ** step)
+    if vmax is not None:
+        torch.maximum(vmax, v, out=vmax)
+    denom = (ieee_sqrt(vmax if vmax is not None else v) / bc2_sqrt).add_(eps)
+    p.addcdiv_(m, denom, value=-step_size)
+
+
 def step_piece(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                max_exp_avg_sq: Optional[torch.Tensor], step_t: torch.Tensor, group: dict, *, seed: int,
                param_id: int, first_elem: int) -> None:
     """One AdamW step of one piece, in place: ``param`` / ``grad`` float32, the moments bfloat16
     (any shape, all of one numel and contiguous), ``step_t`` torch's step counter. The for-loop
     AdamW's ops in order, on the widened moments, with an IEEE square root."""
-    lr, (beta1, beta2) = float(group["lr"]), (float(b) for b in group["betas"])
-    eps, wd = float(group["eps"]), float(group["weight_decay"])
     step_t += 1
     if param.numel() == 0:
         return
-    p, g = param.view(-1), grad.reshape(-1)
-    if wd != 0:
-        p.mul_(1 - lr * wd)
-    if group["maximize"]:
-        g = -g
-    m = exp_avg.view(-1).float()
-    v = exp_avg_sq.view(-1).float()
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    p = param.view(-1)
+    m, v = exp_avg.view(-1).float(), exp_avg_sq.view(-1).float()
+    vmax = max_exp_avg_sq.view(-1).float() if group["amsgrad"] else None
     step = float(step_t.item())
-    bc2_sqrt = (1 - beta2 ** step) ** 0.5
-    step_size = lr / (1 - beta1 ** step)
+    _arith(p, grad.reshape(-1), m, v, vmax, group, step)
     r = random_bits(salt(seed, param_id, step), first_elem, p.numel(), p.device)
-    if group["amsgrad"]:
-        vmax = max_exp_avg_sq.view(-1).float()
-        torch.maximum(vmax, v, out=vmax)
-        denom = (ieee_sqrt(vmax) / bc2_sqrt).add_(eps)
-        max_exp_avg_sq.view(-1).copy_(stochastic_round(vmax, h32(r ^ 0x9E3779B9) >> 16))
-    else:
-        denom = (ieee_sqrt(v) / bc2_sqrt).add_(eps)
-    p.addcdiv_(m, denom, value=-step_size)
     exp_avg.view(-1).copy_(stochastic_round(m, r >> 16))
     exp_avg_sq.view(-1).copy_(stochastic_round(v, r & 0xFFFF))
+    if vmax is not None:
+        max_exp_avg_sq.view(-1).copy_(stochastic_round(vmax, h32(r ^ 0x9E3779B9) >> 16))
+
+
+def step_pieces(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                max_exp_avg_sq: Optional[torch.Tensor], pieces: list, group: dict, *, seed: int,
+                cache: dict) -> None:
+    """:func:`step_piece` for many pieces of the same flat tensors (1-D ``weight``, ``grad``,
+    moments) in one set of ops per step count: on an accelerator a piece's step is some twenty
+    kernels, so a flat state of many parameters takes this path. ``pieces``: ``(offset, length,
+    param_id, first_elem, step_t)``, all stepped with ``group``; every ``step_t`` is counted, and
+    the pieces whose new counts agree are stepped together, gathered (``index_select``) where
+    padding lies between them. The same bits as :func:`step_piece` per piece (elementwise ops).
+    ``cache``: where the gather indices and element keys of each set of pieces are kept."""
+    by_step: dict[float, list] = {}
+    for off, n, pid, first, step_t in pieces:
+        step_t += 1
+        if n:
+            by_step.setdefault(float(step_t.item()), []).append((off, n, pid, first))
+    for step, run in by_step.items():
+        key = tuple(run)
+        keys = cache.get(key)
+        if keys is None:
+            keys = cache[key] = _piece_keys(run, weight.device)
+        idx, lo, hi, elem, owner = keys
+        salts = torch.tensor([salt(seed, pid, step) for _, _, pid, _ in run], dtype=torch.int64)
+        s_e = salts.to(weight.device, non_blocking=True)[owner]
+        if any(first + n > (1 << 32) for _, n, _, first in run):
+            top = elem >> 32
+            s_e = torch.where(top == 0, s_e, h32(s_e ^ (top & _M)))
+        r = h32((elem & _M) ^ s_e)
+        if idx is None:  # back to back: views
+            p, g = weight[lo:hi], grad[lo:hi]
+            m, v = exp_avg[lo:hi].float(), exp_avg_sq[lo:hi].float()
+            vmax = max_exp_avg_sq[lo:hi].float() if group["amsgrad"] else None
+        else:
+            p, g = weight.index_select(0, idx), grad.index_select(0, idx)
+            m, v = exp_avg.index_select(0, idx).float(), exp_avg_sq.index_select(0, idx).float()
+            vmax = max_exp_avg_sq.index_select(0, idx).float() if group["amsgrad"] else None
+        _arith(p, g, m, v, vmax, group, step)
+        outs = [(exp_avg, stochastic_round(m, r >> 16)), (exp_avg_sq, stochastic_round(v, r & 0xFFFF))]
+        if vmax is not None:
+            outs.append((max_exp_avg_sq, stochastic_round(vmax, h32(r ^ 0x9E3779B9) >> 16)))
+        if idx is None:
+            for dst, src in outs:
+                dst[lo:hi].copy_(src)
+        else:
+            weight.index_copy_(0, idx, p)
+            for dst, src in outs:
+                dst.index_copy_(0, idx, src)
+
+
+def _piece_keys(run: list, device: torch.device) -> tuple:
+    """For pieces ``(offset, length, param_id, first_elem)``: the gather index (None when they
+    are back to back, with the span ``[lo, hi)``), each element's index in its parameter, and
+    which piece (position in ``run``) each element belongs to."""
+    order = sorted(range(len(run)), key=lambda k: run[k][0])
+    contiguous = all(run[order[k]][0] + run[order[k]][1] == run[order[k + 1]][0] for k in range(len(order) - 1))
+    lengths = torch.tensor([run[k][1] for k in order], dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.tensor(order, dtype=torch.int64), lengths)
+    starts = torch.tensor([run[k][0] for k in order], dtype=torch.int64)
+    firsts = torch.tensor([run[k][3] for k in order], dtype=torch.int64)
+    within = torch.arange(int(lengths.sum()), dtype=torch.int64) - torch.repeat_interleave(
+        torch.cumsum(lengths, 0) - lengths, lengths)
+    elem = torch.repeat_interleave(firsts, lengths) + within
+    lo = run[order[0]][0]
+    hi = run[order[-1]][0] + run[order[-1]][1]
+    idx = None if contiguous else (torch.repeat_interleave(starts, lengths) + within).to(device)
+    return idx, lo, hi, elem.to(device), owner.to(device)

@@ -65,6 +65,7 @@ class FlatState:
         # the index of each piece's first element in its whole parameter (storage order)
         self.first_elem = {i: pc.row_start * lay.slots[i].row_numel for i, pc in pieces.items()}
         self.indices = indices
+        self.bf16_keys: dict = {}  # bf16_states.step_pieces' gather indices and element keys
         w = g.main_weight
         self.weight = w[self.base:self.base + self.span]
         self.exp_avg = torch.zeros(self.span, dtype=self.state_dtype or w.dtype, device=w.device)
