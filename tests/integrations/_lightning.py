@@ -24,24 +24,18 @@ What is Lightning's and what is ours:
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-import torch.nn as nn
+from ._trainer_model import LR, Net, check_pieces, data, full
 
-D = 64
-HIDDEN = 256
 MICRO = 4  # samples per rank per micro-batch
 ACCUM = 2
-STEPS_PER_EPOCH = 2
-N_SAMPLES = 2 * MICRO * ACCUM * STEPS_PER_EPOCH  # world size 2: one epoch is STEPS_PER_EPOCH steps
-LR = 1e-2
 
 
 @dataclass
@@ -65,64 +59,10 @@ class Result:
     grads: list = field(default_factory=list)  # per step, {name: full gradient} before clipping
     clipped: list = field(default_factory=list)  # per step, {name: full gradient} after clipping
     norms: list = field(default_factory=list)  # per step, the total norm the clip used
-    step_params: list = field(default_factory=list)  # per step, {name: full parameter} after it
     params: dict = field(default_factory=dict)  # full parameters after the last step
     optim: dict = field(default_factory=dict)  # {name: {state key: full tensor}} after the last step
     global_step: int = 0
     error: Optional[str] = None
-
-
-def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _full(t):
-    return t.full_tensor().detach().clone() if hasattr(t, "full_tensor") else t.detach().clone()
-
-
-def _data():
-    g = torch.Generator().manual_seed(1234)
-    x = torch.randn(N_SAMPLES, D, generator=g)
-    w = torch.randn(D, D, generator=g) / D**0.5
-    y = torch.tanh(x @ w) + 0.1 * torch.randn(N_SAMPLES, D, generator=g)
-    return TensorDataset(x, y)
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.fc1 = nn.Linear(D, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, D)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
-class Net(nn.Module):
-    """Every parameter's piece on every rank is a multiple of 32 elements under both runtimes
-    (FSDP2 halves each parameter's rows; mfsdp2 cuts each unit's flat buffer at a row edge):
-    torch's CPU fused AdamW computes a tensor's vector body and its scalar tail differently (the
-    last bit of ``exp_avg_sq`` differs), so an element's result depends on where its rank's piece
-    ends unless every piece is a whole number of vectors (:func:`check_pieces`)."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(D, D)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for b in self.blocks:
-            h = b(h)
-        return self.head(h)
-
-
-def check_pieces(module: nn.Module) -> None:
-    for n, p in module.named_parameters():
-        k = p.to_local().numel()
-        assert k % 32 == 0, f"{n}: this rank's piece has {k} elements, not a multiple of 32 (see Net)"
 
 
 def _module_class():
@@ -164,13 +104,12 @@ def _module_class():
 
         def on_before_optimizer_step(self, optimizer):
             grads = [p.grad for p in self.parameters() if p.grad is not None]
-            self.result.norms.append(_full(torch.nn.utils.get_total_norm(grads)).item())
-            self.result.grads.append({n: _full(p.grad) for n, p in self.named_parameters()})
+            self.result.norms.append(full(torch.nn.utils.get_total_norm(grads)).item())
+            self.result.grads.append({n: full(p.grad) for n, p in self.named_parameters()})
 
         def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
             super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-            self.result.clipped.append({n: _full(p.grad) for n, p in self.named_parameters()})
-            self.result.step_params.append({n: _full(p) for n, p in self.named_parameters()})
+            self.result.clipped.append({n: full(p.grad) for n, p in self.named_parameters()})
 
     return Module
 
@@ -207,14 +146,14 @@ def fit(rank: int, world_size: int, root: str, run: Run) -> Result:
         callbacks=[SaveAtEpochOne()],
         deterministic=True,
     )
-    loader = DataLoader(_data(), batch_size=MICRO, shuffle=False)
+    loader = DataLoader(data(), batch_size=MICRO, shuffle=False)
     ckpt = os.path.join(root, run.resume_from) if run.resume_from else None
     trainer.fit(module, loader, ckpt_path=ckpt)
     res.global_step = trainer.global_step
-    res.params = {n: _full(p) for n, p in module.named_parameters()}
+    res.params = {n: full(p) for n, p in module.named_parameters()}
     opt = trainer.optimizers[0]
     names = {p: n for n, p in module.named_parameters()}
-    res.optim = {names[p]: {k: _full(v) for k, v in s.items()} for p, s in opt.state.items()}
+    res.optim = {names[p]: {k: full(v) for k, v in s.items()} for p, s in opt.state.items()}
     _env(rank, world_size)  # teardown removed WORLD_SIZE
     return res
 
