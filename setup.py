@@ -52,8 +52,11 @@ setup(
         # internals). torchtitan 0.3.0 imports triton at import time on every platform (its
         # GPU kernels); CUDA builds of torch bring it, the CPU build does not (constraints.txt
         # pins the version that goes with the Makefile's torch).
+        # lightning, accelerate: tests/integrations runs their trainers on mfsdp2 (pinned
+        # like torchtitan: the tests go through their FSDP2 code paths, which change between
+        # releases).
         "test": ["pytest", "hypothesis", "pytest-timeout", "safetensors", "transformers",
-                 "torchtitan==0.3.0",
+                 "torchtitan==0.3.0", "lightning==2.6.6", "accelerate==1.15.0",
                  'triton; platform_system == "Linux" and platform_machine == "x86_64"'],
         "bench": ["matplotlib"],  # benchmarks/report.py's plots (its tables need nothing)
         "hf": ["safetensors"],  # mfsdp2.checkpoint.hf imports it lazily

@@ -19,7 +19,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from mfsdp2 import CollectiveError, MixedPrecisionPolicy
 from mfsdp2.frontend.fully_shard import AlreadyShardedError, InvalidShardDimError
 from mfsdp2.frontend.module import NotAnFSDPModuleError
-from mfsdp2.runtime.step_guard import StaleParameterError, UnreducedGradientsError, UnsupportedOptimizerError, UnsyncedGradientsError
+from mfsdp2.runtime.step_guard import (
+    DuplicateParameterError,
+    StaleParameterError,
+    UnreducedGradientsError,
+    UnsupportedOptimizerError,
+    UnsyncedGradientsError,
+)
 
 from ._dist import run_ranks
 from ._pipeline_stages import without_self_links
@@ -89,6 +95,7 @@ EXPECTED = {
     "E59": (RuntimeError, "the state dict's value is on the meta device (no values"),
     "E54": (StaleParameterError, "SGD holds parameter 'inp.weight' of unit 'root' as it was before fully_shard"),
     "E60": (UnsupportedOptimizerError, "torch.optim.Adafactor cannot step sharded parameter 'inp.weight' of unit 'root'"),
+    "E61": (DuplicateParameterError, "SGD holds parameter 'head.bias' of unit 'root' 2 times"),
 }
 
 
@@ -299,6 +306,14 @@ def _rows_ws1(rank, ws):
     net(torch.zeros(1, 12)).sum().backward()
     _capture(out, "E60", lambda: torch.optim.Adafactor(net.parameters(), lr=0.01).step())
     torch.optim.Adafactor([p for p in net.parameters() if p.dim() == 1], lr=0.01).step()
+
+    # An optimizer whose parameter list was rewritten to hold a parameter twice (Accelerate's
+    # prepare() maps parameters by data_ptr(), 0 for every empty piece).
+    net = _sharded_net(mesh)
+    net(torch.zeros(1, 12)).sum().backward()
+    twice = torch.optim.SGD(net.parameters(), lr=0.1)
+    twice.param_groups[0]["params"][-2] = net.head.bias
+    _capture(out, "E61", lambda: twice.step())
 
     # A backward that raised midway leaves its callback pending: the next forward must say so.
     net = _sharded_net(mesh)

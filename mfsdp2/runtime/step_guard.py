@@ -31,7 +31,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..frontend.shared_params import _OWNER, _original
 from .state import RootContext, ShardState
 
-__all__ = ["watch", "UnreducedGradientsError", "StaleParameterError", "UnsyncedGradientsError", "UnsupportedOptimizerError"]
+__all__ = [
+    "watch",
+    "UnreducedGradientsError",
+    "StaleParameterError",
+    "DuplicateParameterError",
+    "UnsyncedGradientsError",
+    "UnsupportedOptimizerError",
+]
 
 _contexts: "weakref.WeakSet[RootContext]" = weakref.WeakSet()
 _hook_handle = None
@@ -85,7 +92,49 @@ def _check_replaced(optimizer) -> None:
                 "never change the model (torch FSDP2 trains nothing then, silently). Build the "
                 "optimizer after fully_shard, from model.parameters()"
             )
+    _check_duplicates(optimizer)
     _checked[optimizer] = n
+
+
+class DuplicateParameterError(RuntimeError):
+    """An optimizer holding one of mfsdp2's parameters more than once."""
+
+
+def _check_duplicates(optimizer) -> None:
+    """Refuse an optimizer that holds a unit's parameter twice. torch's ``add_param_group`` refuses
+    that too, but code that rewrites ``param_groups`` itself bypasses it -- Accelerate's
+    ``prepare`` re-points an optimizer at the model's parameters by ``_local_tensor.data_ptr()``,
+    and a rank whose piece of a parameter is empty (mfsdp2 keeps whole parameters on one rank
+    where a unit's row split allows) has ``data_ptr() == 0`` there, so every such parameter
+    maps to one of them. That rank's optimizer then misses parameters the other ranks' hold:
+    state dicts and checkpoints built from it are wrong (a resume diverges) and per-parameter
+    collectives over its states desynchronise. Run with the optimizer-step check above (once
+    per optimizer and parameter count)."""
+    units = {
+        id(dp): (s, g.infos[i][0].fqn)
+        for ctx in list(_contexts)
+        for s in ctx.states
+        for g in s.groups
+        for i, dp in enumerate(g.dist_params)
+    }
+    seen: dict = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in units:
+                seen[id(p)] = seen.get(id(p), 0) + 1
+    twice = {units[k][1]: c for k, c in seen.items() if c > 1}
+    if twice:
+        name, count = next(iter(twice.items()))
+        unit = next(units[k][0].name for k in seen if units[k][1] == name)
+        raise DuplicateParameterError(
+            f"mfsdp2: {type(optimizer).__name__} holds parameter {name!r} of unit {unit!r} {count} times "
+            f"(duplicates: {sorted(twice)}): its parameter lists were rewritten outside add_param_group. "
+            "Accelerate's prepare() does that, matching parameters by data_ptr(), which is 0 for every "
+            "parameter this rank holds no rows of, so they all become one and the others go missing from "
+            "this rank's optimizer (its state dicts and checkpoints would be wrong). Restore the lists "
+            "after prepare: groups = [list(g['params']) for g in optimizer.param_groups] before it, then "
+            "for g, ps in zip(optimizer.param_groups, groups): g['params'] = ps"
+        )
 
 
 class UnsyncedGradientsError(RuntimeError):

@@ -1,0 +1,68 @@
+"""The model, data and helpers the trainer tests share (Lightning, Accelerate): a small MLP
+whose every parameter piece is a whole number of CPU vectors under both runtimes, so that
+torch's fused AdamW gives FSDP2 and mfsdp2 the same bits (see :class:`Net`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+D = 64
+HIDDEN = 256
+N_SAMPLES = 32  # world size 2, micro-batches of 4, 2 micro-batches per step: 2 steps per pass
+LR = 1e-2
+
+
+def full(t):
+    """A detached full copy of a parameter, gradient or optimizer state (DTensor of either
+    runtime, or a plain tensor)."""
+    return t.full_tensor().detach().clone() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def data():
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(N_SAMPLES, D, generator=g)
+    w = torch.randn(D, D, generator=g) / D**0.5
+    y = torch.tanh(x @ w) + 0.1 * torch.randn(N_SAMPLES, D, generator=g)
+    return TensorDataset(x, y)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.fc1 = nn.Linear(D, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, D)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    """Every parameter's piece on every rank is a multiple of 32 elements under both runtimes
+    (FSDP2 halves each parameter's rows; mfsdp2 cuts each unit's flat buffer at a row edge):
+    torch's CPU fused AdamW computes a tensor's vector body and its scalar tail differently (the
+    last bit of ``exp_avg_sq`` differs), so an element's result depends on where its rank's piece
+    ends unless every piece is a whole number of vectors (:func:`check_pieces`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def check_pieces(module: nn.Module) -> None:
+    for n, p in module.named_parameters():
+        k = p.to_local().numel()
+        assert k % 32 == 0, f"{n}: this rank's piece has {k} elements, not a multiple of 32 (see Net)"
+
+
