@@ -25,7 +25,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -124,12 +123,6 @@ def _check_duplicates(optimizer) -> None:
             if id(p) in units:
                 seen[id(p)] = seen.get(id(p), 0) + 1
     twice = {units[k][1]: c for k, c in seen.items() if c > 1}
-    if seen and _elsewhere(units[next(iter(seen))][0], bool(twice)) and not twice:
-        raise DuplicateParameterError(
-            f"mfsdp2: another rank's {type(optimizer).__name__} holds a parameter of unit "
-            f"{units[next(iter(seen))][0].name!r} more than once (it raised DuplicateParameterError there, "
-            "naming the parameter and the fix); this rank stops too rather than wait for it"
-        )
     if twice:
         name, count = next(iter(twice.items()))
         unit = next(units[k][0].name for k in seen if units[k][1] == name)
@@ -142,22 +135,6 @@ def _check_duplicates(optimizer) -> None:
             "after prepare: groups = [list(g['params']) for g in optimizer.param_groups] before it, then "
             "for g, ps in zip(optimizer.param_groups, groups): g['params'] = ps"
         )
-
-
-def _elsewhere(state, mine: bool) -> bool:
-    """Whether any rank of ``state``'s data-parallel mesh found duplicates (a MAX all-reduce
-    over each mesh dimension, once per optimizer and parameter count, as every rank of the mesh
-    checks at the same step): the duplicates sit on ranks holding empty pieces, and a rank that
-    raised alone would leave the others waiting at their next collective."""
-    mesh = state.groups[0].mesh if state.groups else None
-    if mesh is None or not dist.is_initialized() or mesh.size() == 1:
-        return mine
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
-        else torch.device(mesh.device_type)
-    flag = torch.tensor([int(mine)], dtype=torch.int32, device=device)
-    for dim in range(mesh.ndim):
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-    return bool(flag.item())
 
 
 class UnsyncedGradientsError(RuntimeError):
