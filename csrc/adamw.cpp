@@ -27,6 +27,7 @@
 #include <tuple>
 
 #include "adamw_math.h"
+#include "adamw_table.h"
 #include "segments.h"
 #include "simd.h"
 
@@ -118,13 +119,6 @@ struct Range {
   int64_t flat, begin, end, coef;
 };
 
-void check_flat(const at::Tensor& x, at::ScalarType dtype, int64_t numel, const char* name, size_t f) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(), "adamw_step: ", name, "[", f,
-              "] must be a contiguous 1-D CPU tensor, got ", x.sizes(), " on ", x.device());
-  TORCH_CHECK(x.scalar_type() == dtype && x.numel() == numel, "adamw_step: ", name, "[", f, "] must be ", dtype,
-              " with ", numel, " elements (as params[", f, "]), got ", x.scalar_type(), " with ", x.numel());
-}
-
 template <typename T>
 void run(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
@@ -188,64 +182,20 @@ void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
                 bool mkl_sqrt) {
   TORCH_CHECK(!mkl_sqrt || has_vml_sqrt(), "adamw_step: mkl_sqrt asked for, but this torch exports no MKL VML sqrt");
   const size_t nf = params.size();
-  TORCH_CHECK(grads.size() == nf && exp_avgs.size() == nf && exp_avg_sqs.size() == nf &&
-                  max_exp_avg_sqs.size() == nf && steps.size() == nf,
-              "adamw_step: params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs and steps must have one entry "
-              "per flat tensor (", nf, ")");
-  TORCH_CHECK(hyper.device().is_cpu() && hyper.scalar_type() == at::kDouble && hyper.dim() == 2 &&
-                  hyper.size(1) == 7 && hyper.is_contiguous(),
-              "adamw_step: hyper must be a contiguous float64 [rows, 7] CPU tensor, got ", hyper.sizes(), " ",
-              hyper.scalar_type());
-  TORCH_CHECK(segments.device().is_cpu() && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
-                  segments.size(1) == 5 && segments.is_contiguous(),
-              "adamw_step: segments must be a contiguous int64 [n, 5] CPU tensor, got ", segments.sizes(), " ",
-              segments.scalar_type());
+  const adamw::Table table = adamw::read_table("adamw_step", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                                               steps, segments, 5, hyper, /*double_steps=*/true);
   const at::ScalarType dtype = nf ? params[0].scalar_type() : at::kFloat;
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "adamw_step: float32 or float64 tensors expected, got ", dtype);
-  std::vector<Hyper> hy(hyper.size(0));
-  const double* hp = hyper.data_ptr<double>();
-  for (size_t r = 0; r < hy.size(); ++r) {
-    const double* h = hp + 7 * r;
-    hy[r] = {h[0], h[1], h[2], h[3], h[4], h[5] != 0.0, h[6] != 0.0};
-  }
-  std::vector<bool> needs_max(nf, false);
+  const std::vector<Hyper>& hy = table.hyper;
   const int64_t n = segments.size(0);
   const int64_t* seg = segments.data_ptr<int64_t>();
-  std::vector<std::tuple<int64_t, int64_t, int64_t>> spans;  // (flat, begin, end) of non-empty segments
-  for (int64_t s = 0; s < n; ++s) {
-    const int64_t* r = seg + 5 * s;
-    TORCH_CHECK(r[0] >= 0 && r[0] < static_cast<int64_t>(nf), "adamw_step: segment ", s, " names flat ", r[0],
-                " of ", nf);
-    TORCH_CHECK(r[3] >= 0 && r[3] < static_cast<int64_t>(hy.size()), "adamw_step: segment ", s, " names hyper row ",
-                r[3], " of ", hy.size());
-    const at::Tensor& st = steps[r[0]];
-    TORCH_CHECK(st.device().is_cpu() && (st.scalar_type() == at::kFloat || st.scalar_type() == at::kDouble) &&
-                    st.dim() == 1 && st.is_contiguous(),
-                "adamw_step: steps[", r[0], "] must be a contiguous 1-D float32 or float64 CPU tensor");
-    TORCH_CHECK(r[4] >= 0 && r[4] < st.numel(), "adamw_step: segment ", s, " names step slot ", r[4], " of ",
-                st.numel());
-    const int64_t numel = params[r[0]].numel();
-    TORCH_CHECK(r[2] >= 0 && (r[2] == 0 || (r[1] >= 0 && r[1] <= numel && r[2] <= numel - r[1])),
-                "adamw_step: segment ", s, " (offset ", r[1], ", length ", r[2], ") lies outside flat ", r[0], " of ",
-                numel, " elements");
-    if (r[2] > 0) {
-      spans.emplace_back(r[0], r[1], r[1] + r[2]);
-      if (hy[r[3]].amsgrad) needs_max[r[0]] = true;
-    }
-  }
-  std::sort(spans.begin(), spans.end());
-  for (size_t k = 1; k < spans.size(); ++k) {
-    TORCH_CHECK(std::get<0>(spans[k]) != std::get<0>(spans[k - 1]) || std::get<1>(spans[k]) >= std::get<2>(spans[k - 1]),
-                "adamw_step: segments overlap in flat ", std::get<0>(spans[k]), " (at element ", std::get<1>(spans[k]),
-                "); each element may be stepped once");
-  }
   for (size_t f = 0; f < nf; ++f) {
     const int64_t numel = params[f].numel();
-    check_flat(params[f], dtype, numel, "params", f);
-    check_flat(grads[f], dtype, numel, "grads", f);
-    check_flat(exp_avgs[f], dtype, numel, "exp_avgs", f);
-    check_flat(exp_avg_sqs[f], dtype, numel, "exp_avg_sqs", f);
-    if (needs_max[f]) check_flat(max_exp_avg_sqs[f], dtype, numel, "max_exp_avg_sqs", f);
+    adamw::check_flat("adamw_step", params[f], dtype, numel, "params", f);
+    adamw::check_flat("adamw_step", grads[f], dtype, numel, "grads", f);
+    adamw::check_flat("adamw_step", exp_avgs[f], dtype, numel, "exp_avgs", f);
+    adamw::check_flat("adamw_step", exp_avg_sqs[f], dtype, numel, "exp_avg_sqs", f);
+    if (table.needs_max[f]) adamw::check_flat("adamw_step", max_exp_avg_sqs[f], dtype, numel, "max_exp_avg_sqs", f);
   }
   if (dtype == at::kFloat)
     run<float>(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, seg, n, hy, fma_lerp, fma_addcmul, mkl_sqrt);

@@ -27,6 +27,7 @@
 #include <tuple>
 
 #include "adamw_math.h"
+#include "adamw_table.h"
 #include "segments.h"
 #include "simd.h"
 
@@ -92,13 +93,6 @@ struct Bf16Item {
   int64_t flat, begin, end, seg, elem;
 };
 
-void check_flat(const at::Tensor& x, at::ScalarType dtype, int64_t numel, const char* name, size_t f) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(), "adamw_step_bf16: ", name, "[", f,
-              "] must be a contiguous 1-D CPU tensor, got ", x.sizes(), " on ", x.device());
-  TORCH_CHECK(x.scalar_type() == dtype && x.numel() == numel, "adamw_step_bf16: ", name, "[", f, "] must be ",
-              dtype, " with ", numel, " elements (as params[", f, "]), got ", x.scalar_type(), " with ", x.numel());
-}
-
 }  // namespace
 
 uint32_t bf16_salt(int64_t seed, int64_t param_id, double step) {
@@ -113,59 +107,19 @@ void adamw_step_bf16(const std::vector<at::Tensor>& params, const std::vector<at
                      const at::Tensor& segments, const at::Tensor& hyper, int64_t seed, bool fma_lerp,
                      bool fma_addcmul) {
   const size_t nf = params.size();
-  TORCH_CHECK(grads.size() == nf && exp_avgs.size() == nf && exp_avg_sqs.size() == nf &&
-                  max_exp_avg_sqs.size() == nf && steps.size() == nf,
-              "adamw_step_bf16: params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs and steps must have one entry "
-              "per flat tensor (", nf, ")");
-  TORCH_CHECK(hyper.device().is_cpu() && hyper.scalar_type() == at::kDouble && hyper.dim() == 2 &&
-                  hyper.size(1) == 7 && hyper.is_contiguous(),
-              "adamw_step_bf16: hyper must be a contiguous float64 [rows, 7] CPU tensor");
-  TORCH_CHECK(segments.device().is_cpu() && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
-                  segments.size(1) == 7 && segments.is_contiguous(),
-              "adamw_step_bf16: segments must be a contiguous int64 [n, 7] CPU tensor, got ", segments.sizes());
-  std::vector<Hyper> hy(hyper.size(0));
-  const double* hp = hyper.data_ptr<double>();
-  for (size_t r = 0; r < hy.size(); ++r) {
-    const double* h = hp + 7 * r;
-    hy[r] = {h[0], h[1], h[2], h[3], h[4], h[5] != 0.0, h[6] != 0.0};
-  }
+  const adamw::Table table = adamw::read_table("adamw_step_bf16", params, grads, exp_avgs, exp_avg_sqs,
+                                               max_exp_avg_sqs, steps, segments, 7, hyper, /*double_steps=*/false);
+  const std::vector<Hyper>& hy = table.hyper;
   const int64_t n = segments.size(0);
   const int64_t* seg = segments.data_ptr<int64_t>();
-  std::vector<bool> needs_max(nf, false);
-  std::vector<std::tuple<int64_t, int64_t, int64_t>> spans;
-  for (int64_t s = 0; s < n; ++s) {
-    const int64_t* r = seg + 7 * s;
-    TORCH_CHECK(r[0] >= 0 && r[0] < static_cast<int64_t>(nf), "adamw_step_bf16: segment ", s, " names flat ", r[0],
-                " of ", nf);
-    TORCH_CHECK(r[3] >= 0 && r[3] < static_cast<int64_t>(hy.size()), "adamw_step_bf16: segment ", s,
-                " names hyper row ", r[3], " of ", hy.size());
-    const at::Tensor& st = steps[r[0]];
-    TORCH_CHECK(st.device().is_cpu() && st.scalar_type() == at::kFloat && st.dim() == 1 && st.is_contiguous(),
-                "adamw_step_bf16: steps[", r[0], "] must be a contiguous 1-D float32 CPU tensor");
-    TORCH_CHECK(r[4] >= 0 && r[4] < st.numel(), "adamw_step_bf16: segment ", s, " names step slot ", r[4], " of ",
-                st.numel());
-    const int64_t numel = params[r[0]].numel();
-    TORCH_CHECK(r[2] >= 0 && (r[2] == 0 || (r[1] >= 0 && r[1] <= numel && r[2] <= numel - r[1])),
-                "adamw_step_bf16: segment ", s, " (offset ", r[1], ", length ", r[2], ") lies outside flat ", r[0],
-                " of ", numel, " elements");
-    TORCH_CHECK(r[5] >= 0 && r[6] >= 0, "adamw_step_bf16: segment ", s, " has a negative parameter id or element");
-    if (r[2] > 0) {
-      spans.emplace_back(r[0], r[1], r[1] + r[2]);
-      if (hy[r[3]].amsgrad) needs_max[r[0]] = true;
-    }
-  }
-  std::sort(spans.begin(), spans.end());
-  for (size_t k = 1; k < spans.size(); ++k) {
-    TORCH_CHECK(std::get<0>(spans[k]) != std::get<0>(spans[k - 1]) || std::get<1>(spans[k]) >= std::get<2>(spans[k - 1]),
-                "adamw_step_bf16: segments overlap in flat ", std::get<0>(spans[k]), "; each element may be stepped once");
-  }
   for (size_t f = 0; f < nf; ++f) {
     const int64_t numel = params[f].numel();
-    check_flat(params[f], at::kFloat, numel, "params", f);
-    check_flat(grads[f], at::kFloat, numel, "grads", f);
-    check_flat(exp_avgs[f], at::kBFloat16, numel, "exp_avgs", f);
-    check_flat(exp_avg_sqs[f], at::kBFloat16, numel, "exp_avg_sqs", f);
-    if (needs_max[f]) check_flat(max_exp_avg_sqs[f], at::kBFloat16, numel, "max_exp_avg_sqs", f);
+    adamw::check_flat("adamw_step_bf16", params[f], at::kFloat, numel, "params", f);
+    adamw::check_flat("adamw_step_bf16", grads[f], at::kFloat, numel, "grads", f);
+    adamw::check_flat("adamw_step_bf16", exp_avgs[f], at::kBFloat16, numel, "exp_avgs", f);
+    adamw::check_flat("adamw_step_bf16", exp_avg_sqs[f], at::kBFloat16, numel, "exp_avg_sqs", f);
+    if (table.needs_max[f])
+      adamw::check_flat("adamw_step_bf16", max_exp_avg_sqs[f], at::kBFloat16, numel, "max_exp_avg_sqs", f);
   }
   // Count the steps, make each segment's coefficients and salt, cut segments into work items
   // (at kItem elements and at multiples of 2^32 of the element index: the hash takes 32 bits).

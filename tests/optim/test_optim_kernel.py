@@ -145,6 +145,17 @@ def test_kernel_refuses_bad_tables():
         amsgrad[0, 5] = 1
         mod.adamw_step([x], [x.clone()], [x.clone()], [x.clone()], [torch.empty(0)], [steps],
                        torch.tensor([[0, 0, 4, 0, 0]]), amsgrad, *ARITH)
+    # the bfloat16-moment kernel reads its (7-column) table through the same checks
+    b = torch.zeros(8, dtype=torch.bfloat16)
+    bf16 = lambda segs: mod.adamw_step_bf16([x], [x.clone()], [b], [b.clone()], [torch.empty(0)], [steps],
+                                            torch.tensor(segs, dtype=torch.int64), hyper, 0, *ARITH[:2])
+    with pytest.raises(RuntimeError, match="adamw_step_bf16: segments overlap"):
+        bf16([[0, 0, 4, 0, 0, 0, 0], [0, 3, 4, 0, 1, 1, 0]])
+    with pytest.raises(RuntimeError, match="negative entry in column 6"):
+        bf16([[0, 0, 4, 0, 0, 0, -1]])
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] must be BFloat16"):
+        mod.adamw_step_bf16([x], [x.clone()], [x.clone()], [b], [torch.empty(0)], [steps],
+                            torch.tensor([[0, 0, 4, 0, 0, 0, 0]]), hyper, 0, *ARITH[:2])
 
 
 def _torch_ops_ieee_sqrt(p, g, m, v, vmax, step, h, fma_lerp, fma_addcmul):
