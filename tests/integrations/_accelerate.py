@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from ._trainer_model import LR, Net, check_pieces, data, full
+from ._trainer_model import LR, Net, check_pieces, data, full, run_all
 
 MICRO = 4
 ACCUM = 2
@@ -187,15 +187,5 @@ def _full_optimizer_states(model, opt) -> dict:
 
 
 def worker(rank: int, world_size: int, root: str, runs: list) -> dict:
-    """Every run in turn on this rank: ``{name: Result}`` (a failed run records its traceback and
-    the next one still runs)."""
-    import traceback
-
-    torch.use_deterministic_algorithms(True)
-    out = {}
-    for run in runs:
-        try:
-            out[run.name] = train(rank, world_size, root, run)
-        except Exception:
-            out[run.name] = Result(error=traceback.format_exc())
-    return out
+    """Every run in turn on this rank: ``{name: Result}``."""
+    return run_all(rank, world_size, root, runs, train, Result)

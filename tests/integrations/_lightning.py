@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from ._trainer_model import LR, Net, check_pieces, data, full
+from ._trainer_model import LR, Net, check_pieces, data, full, run_all
 
 MICRO = 4  # samples per rank per micro-batch
 ACCUM = 2
@@ -159,15 +159,5 @@ def fit(rank: int, world_size: int, root: str, run: Run) -> Result:
 
 
 def worker(rank: int, world_size: int, root: str, runs: list) -> dict:
-    """Every run in turn on this rank: ``{name: Result}`` (a failed run records its traceback and
-    the next one still runs)."""
-    import traceback
-
-    torch.use_deterministic_algorithms(True)
-    out = {}
-    for run in runs:
-        try:
-            out[run.name] = fit(rank, world_size, root, run)
-        except Exception:
-            out[run.name] = Result(error=traceback.format_exc())
-    return out
+    """Every run in turn on this rank: ``{name: Result}``."""
+    return run_all(rank, world_size, root, runs, fit, Result)

@@ -66,3 +66,26 @@ def check_pieces(module: nn.Module) -> None:
         assert k % 32 == 0, f"{n}: this rank's piece has {k} elements, not a multiple of 32 (see Net)"
 
 
+
+
+def run_all(rank: int, world_size: int, root: str, runs: list, one, result_cls) -> dict:
+    """Every run in turn on this rank through ``one(rank, world_size, root, run)``: ``{name:
+    result}`` (a failed run records its traceback as ``result_cls(error=...)`` and the next one
+    still runs, so one launch serves every case)."""
+    import traceback
+
+    torch.use_deterministic_algorithms(True)
+    out = {}
+    for run in runs:
+        try:
+            out[run.name] = one(rank, world_size, root, run)
+        except Exception:
+            out[run.name] = result_cls(error=traceback.format_exc())
+    return out
+
+
+def equal_dicts(a: dict, b: dict, what: str) -> None:
+    """The same keys in the same order, and equal tensors under each (bit for bit)."""
+    assert list(a) == list(b), what
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{what} differ from FSDP2's for {differ}"

@@ -32,6 +32,7 @@ pytest.importorskip("accelerate", reason="accelerate is in the test extras: pip 
 
 from .._dist import run_ranks  # noqa: E402
 from . import _accelerate  # noqa: E402
+from ._trainer_model import equal_dicts  # noqa: E402
 from ._accelerate import Run  # noqa: E402
 from .test_lightning import NORM_REL  # noqa: E402
 
@@ -59,24 +60,18 @@ def results(tmp_path_factory):
     return out
 
 
-def _equal_dicts(a: dict, b: dict, what: str) -> None:
-    assert list(a) == list(b), what
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, f"{what} differ for {differ}"
-
-
 def _same_run(ours, ref, first_step: int = 0, norms_exact: bool = False) -> None:
     assert ours.losses == ref.losses
     assert ours.steps == ref.steps == len(ref.grads) > 0
     for step, (a, b) in enumerate(zip(ours.grads, ref.grads), first_step):
-        _equal_dicts(a, b, f"step {step}: gradients")
+        equal_dicts(a, b, f"step {step}: gradients")
     for step, (a, b) in enumerate(zip(ours.clipped, ref.clipped), first_step):
-        _equal_dicts(a, b, f"step {step}: clipped gradients")
-    _equal_dicts(ours.params, ref.params, "final parameters")
+        equal_dicts(a, b, f"step {step}: clipped gradients")
+    equal_dicts(ours.params, ref.params, "final parameters")
     assert list(ours.optim) == list(ref.optim)
     for name in ref.optim:
-        _equal_dicts(ours.optim[name], ref.optim[name], f"AdamW state of {name}")
-    _equal_dicts(ours.state_dict, ref.state_dict, "get_state_dict")
+        equal_dicts(ours.optim[name], ref.optim[name], f"AdamW state of {name}")
+    equal_dicts(ours.state_dict, ref.state_dict, "get_state_dict")
     for a, b in zip(ours.norms, ref.norms):
         assert a == b if norms_exact else abs(a - b) <= NORM_REL * b
 
@@ -98,7 +93,7 @@ def test_manual_sharding_matches_accelerates_own(results):
         assert auto.units == manual.units
         assert auto.losses == manual.losses[: len(auto.losses)]
         for a, b in zip(auto.clipped, manual.clipped):
-            _equal_dicts(a, b, "clipped gradients")
+            equal_dicts(a, b, "clipped gradients")
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,7 @@ pytest.importorskip("lightning", reason="lightning is in the test extras: pip in
 
 from .._dist import run_ranks  # noqa: E402
 from . import _lightning  # noqa: E402
+from ._trainer_model import equal_dicts  # noqa: E402
 from ._lightning import LR, Run  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -76,25 +77,19 @@ def results(tmp_path_factory):
     return out
 
 
-def _equal_dicts(a: dict, b: dict, what: str) -> None:
-    assert list(a) == list(b), what
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, f"{what} differ from FSDP2's for {differ}"
-
-
 def _same_run(ours, ref, first_step: int = 0) -> None:
     """Bit-identical losses, gradients (before and after clipping), parameters and AdamW
     states; gradient norms within NORM_REL of FSDP2's."""
     assert ours.losses == ref.losses
     assert len(ours.grads) == len(ref.grads) > 0
     for step, (a, b) in enumerate(zip(ours.grads, ref.grads), first_step):
-        _equal_dicts(a, b, f"step {step}: gradients")
+        equal_dicts(a, b, f"step {step}: gradients")
     for step, (a, b) in enumerate(zip(ours.clipped, ref.clipped), first_step):
-        _equal_dicts(a, b, f"step {step}: clipped gradients")
-    _equal_dicts(ours.params, ref.params, "final parameters")
+        equal_dicts(a, b, f"step {step}: clipped gradients")
+    equal_dicts(ours.params, ref.params, "final parameters")
     assert list(ours.optim) == list(ref.optim)
     for name in ref.optim:
-        _equal_dicts(ours.optim[name], ref.optim[name], f"AdamW state of {name}")
+        equal_dicts(ours.optim[name], ref.optim[name], f"AdamW state of {name}")
     for a, b in zip(ours.norms, ref.norms):
         assert abs(a - b) <= NORM_REL * b
 
@@ -148,7 +143,7 @@ def test_active_clipping_within_bound(results):
     for rank in (0, 1):
         ours, ref = results[rank]["mfsdp2_clipped"], results[rank]["fsdp2_clipped"]
         assert ours.losses == ref.losses
-        _equal_dicts(ours.grads[0], ref.grads[0], "step 0: gradients")
+        equal_dicts(ours.grads[0], ref.grads[0], "step 0: gradients")
         assert ref.norms[0] < CLIP < ref.norms[1], ref.norms  # step 1 is clipped, step 0 is not
         d = abs(ours.norms[1] - ref.norms[1]) / ref.norms[1]
         assert d <= NORM_REL
