@@ -89,3 +89,18 @@ def equal_dicts(a: dict, b: dict, what: str) -> None:
     assert list(a) == list(b), what
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, f"{what} differ from FSDP2's for {differ}"
+
+
+def same_training(ours, ref, first_step: int = 0) -> None:
+    """Two runs' records (``losses``, per-step ``grads`` and ``clipped`` gradients, final
+    ``params``, ``optim`` states) bit for bit equal."""
+    assert ours.losses == ref.losses
+    assert len(ours.grads) == len(ref.grads) > 0
+    for step, (a, b) in enumerate(zip(ours.grads, ref.grads), first_step):
+        equal_dicts(a, b, f"step {step}: gradients")
+    for step, (a, b) in enumerate(zip(ours.clipped, ref.clipped), first_step):
+        equal_dicts(a, b, f"step {step}: clipped gradients")
+    equal_dicts(ours.params, ref.params, "final parameters")
+    assert list(ours.optim) == list(ref.optim)
+    for name in ref.optim:
+        equal_dicts(ours.optim[name], ref.optim[name], f"AdamW state of {name}")

@@ -32,7 +32,7 @@ pytest.importorskip("accelerate", reason="accelerate is in the test extras: pip 
 
 from .._dist import run_ranks  # noqa: E402
 from . import _accelerate  # noqa: E402
-from ._trainer_model import equal_dicts  # noqa: E402
+from ._trainer_model import equal_dicts, same_training  # noqa: E402
 from ._accelerate import Run  # noqa: E402
 from .test_lightning import NORM_REL  # noqa: E402
 
@@ -61,16 +61,8 @@ def results(tmp_path_factory):
 
 
 def _same_run(ours, ref, first_step: int = 0, norms_exact: bool = False) -> None:
-    assert ours.losses == ref.losses
     assert ours.steps == ref.steps == len(ref.grads) > 0
-    for step, (a, b) in enumerate(zip(ours.grads, ref.grads), first_step):
-        equal_dicts(a, b, f"step {step}: gradients")
-    for step, (a, b) in enumerate(zip(ours.clipped, ref.clipped), first_step):
-        equal_dicts(a, b, f"step {step}: clipped gradients")
-    equal_dicts(ours.params, ref.params, "final parameters")
-    assert list(ours.optim) == list(ref.optim)
-    for name in ref.optim:
-        equal_dicts(ours.optim[name], ref.optim[name], f"AdamW state of {name}")
+    same_training(ours, ref, first_step)
     equal_dicts(ours.state_dict, ref.state_dict, "get_state_dict")
     for a, b in zip(ours.norms, ref.norms):
         assert a == b if norms_exact else abs(a - b) <= NORM_REL * b

@@ -44,7 +44,7 @@ pytest.importorskip("lightning", reason="lightning is in the test extras: pip in
 
 from .._dist import run_ranks  # noqa: E402
 from . import _lightning  # noqa: E402
-from ._trainer_model import equal_dicts  # noqa: E402
+from ._trainer_model import equal_dicts, same_training  # noqa: E402
 from ._lightning import LR, Run  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -80,16 +80,7 @@ def results(tmp_path_factory):
 def _same_run(ours, ref, first_step: int = 0) -> None:
     """Bit-identical losses, gradients (before and after clipping), parameters and AdamW
     states; gradient norms within NORM_REL of FSDP2's."""
-    assert ours.losses == ref.losses
-    assert len(ours.grads) == len(ref.grads) > 0
-    for step, (a, b) in enumerate(zip(ours.grads, ref.grads), first_step):
-        equal_dicts(a, b, f"step {step}: gradients")
-    for step, (a, b) in enumerate(zip(ours.clipped, ref.clipped), first_step):
-        equal_dicts(a, b, f"step {step}: clipped gradients")
-    equal_dicts(ours.params, ref.params, "final parameters")
-    assert list(ours.optim) == list(ref.optim)
-    for name in ref.optim:
-        equal_dicts(ours.optim[name], ref.optim[name], f"AdamW state of {name}")
+    same_training(ours, ref, first_step)
     for a, b in zip(ours.norms, ref.norms):
         assert abs(a - b) <= NORM_REL * b
 
