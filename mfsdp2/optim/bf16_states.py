@@ -37,6 +37,7 @@ import torch
 __all__ = ["h32", "ieee_sqrt", "salt", "stochastic_round", "random_bits", "step_piece", "step_pieces"]
 
 _M = 0xFFFFFFFF
+_CACHED_SETS = 8  # piece sets whose gather indices a flat state keeps (step_pieces)
 
 
 def h32(x):
@@ -153,6 +154,8 @@ def step_pieces(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         key = tuple(run)
         keys = cache.get(key)
         if keys is None:
+            if len(cache) >= _CACHED_SETS:  # sets that change step by step (skipped parameters): keep a few
+                cache.clear()
             keys = cache[key] = _piece_keys(run, weight.device)
         idx, lo, hi, elem, owner = keys
         salts = torch.tensor([salt(seed, pid, step) for _, _, pid, _ in run], dtype=torch.int64)
