@@ -100,6 +100,19 @@ class DuplicateParameterError(RuntimeError):
     """An optimizer holding one of mfsdp2's parameters more than once."""
 
 
+def _params_of_units(keep=None) -> dict:
+    """``id(parameter) -> (unit state, fqn)`` of every live unit's parameters (those ``keep``
+    accepts)."""
+    return {
+        id(dp): (s, g.infos[i][0].fqn)
+        for ctx in list(_contexts)
+        for s in ctx.states
+        for g in s.groups
+        for i, dp in enumerate(g.dist_params)
+        if keep is None or keep(dp)
+    }
+
+
 def _check_duplicates(optimizer) -> None:
     """Refuse an optimizer that holds a unit's parameter twice. torch's ``add_param_group`` refuses
     that too, but code that rewrites ``param_groups`` itself bypasses it -- Accelerate's
@@ -110,13 +123,7 @@ def _check_duplicates(optimizer) -> None:
     state dicts and checkpoints built from it are wrong (a resume diverges) and per-parameter
     collectives over its states desynchronise. Run with the optimizer-step check above (once
     per optimizer and parameter count)."""
-    units = {
-        id(dp): (s, g.infos[i][0].fqn)
-        for ctx in list(_contexts)
-        for s in ctx.states
-        for g in s.groups
-        for i, dp in enumerate(g.dist_params)
-    }
+    units = _params_of_units()
     seen: dict = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -197,14 +204,8 @@ def _check_supported(optimizer) -> None:
     why = _ROW_REDUCING.get(type(optimizer).__name__) if type(optimizer).__module__.startswith("torch.optim") else None
     if why is None or _supported.get(optimizer) == n:
         return
-    sharded = {
-        id(dp): (s, g.infos[i][0].fqn)
-        for ctx in list(_contexts)
-        for s in ctx.states
-        for g in s.groups
-        for i, dp in enumerate(g.dist_params)
-        if dp.dim() >= 2 and any(isinstance(pl, Shard) for pl in dp.placements)  # RowShard: rows split
-    }
+    # RowShard: rows split
+    sharded = _params_of_units(lambda dp: dp.dim() >= 2 and any(isinstance(pl, Shard) for pl in dp.placements))
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) in sharded:
