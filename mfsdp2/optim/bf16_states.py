@@ -66,11 +66,26 @@ def salt(seed: int, param_id: int, step: float) -> int:
 def random_bits(s: int, first_elem: int, n: int, device: torch.device) -> torch.Tensor:
     """The 32 random bits (int64) of elements ``first_elem .. first_elem + n`` under salt ``s``."""
     e = torch.arange(first_elem, first_elem + n, dtype=torch.int64, device=device)
-    hi = e >> 32
-    s_e = torch.full_like(e, s)
-    if first_elem + n > (1 << 32):
-        s_e = torch.where(hi == 0, s_e, h32(s_e ^ (hi & _M)))
-    return h32((e & _M) ^ s_e)
+    return _keyed_bits(e, torch.full_like(e, s), first_elem + n > (1 << 32))
+
+
+def _keyed_bits(elem: torch.Tensor, s_e: torch.Tensor, wide: bool) -> torch.Tensor:
+    """The random bits of elements ``elem`` (indices in their parameters) under per-element
+    salts ``s_e``; ``wide``: some index is 2**32 or more (its high half salts the salt)."""
+    if wide:
+        top = elem >> 32
+        s_e = torch.where(top == 0, s_e, h32(s_e ^ (top & _M)))
+    return h32((elem & _M) ^ s_e)
+
+
+def _rounded(m: torch.Tensor, v: torch.Tensor, vmax: Optional[torch.Tensor], r: torch.Tensor) -> list:
+    """The float32 moments stochastically rounded with their share of the random bits ``r``:
+    ``exp_avg`` the high 16, ``exp_avg_sq`` the low 16, ``max_exp_avg_sq`` (when given) the high
+    16 of ``h32(r ^ 0x9E3779B9)``."""
+    out = [stochastic_round(m, r >> 16), stochastic_round(v, r & 0xFFFF)]
+    if vmax is not None:
+        out.append(stochastic_round(vmax, h32(r ^ 0x9E3779B9) >> 16))
+    return out
 
 
 def stochastic_round(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
@@ -129,10 +144,8 @@ def step_piece(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     step = float(step_t.item())
     _arith(p, grad.reshape(-1), m, v, vmax, group, step)
     r = random_bits(salt(seed, param_id, step), first_elem, p.numel(), p.device)
-    exp_avg.view(-1).copy_(stochastic_round(m, r >> 16))
-    exp_avg_sq.view(-1).copy_(stochastic_round(v, r & 0xFFFF))
-    if vmax is not None:
-        max_exp_avg_sq.view(-1).copy_(stochastic_round(vmax, h32(r ^ 0x9E3779B9) >> 16))
+    for dst, src in zip((exp_avg, exp_avg_sq, max_exp_avg_sq), _rounded(m, v, vmax, r)):
+        dst.view(-1).copy_(src)
 
 
 def step_pieces(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -159,11 +172,8 @@ def step_pieces(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
             keys = cache[key] = _piece_keys(run, weight.device)
         idx, lo, hi, elem, owner = keys
         salts = torch.tensor([salt(seed, pid, step) for _, _, pid, _ in run], dtype=torch.int64)
-        s_e = salts.to(weight.device, non_blocking=True)[owner]
-        if any(first + n > (1 << 32) for _, n, _, first in run):
-            top = elem >> 32
-            s_e = torch.where(top == 0, s_e, h32(s_e ^ (top & _M)))
-        r = h32((elem & _M) ^ s_e)
+        r = _keyed_bits(elem, salts.to(weight.device, non_blocking=True)[owner],
+                        any(first + n > (1 << 32) for _, n, _, first in run))
         if idx is None:  # back to back: views
             p, g = weight[lo:hi], grad[lo:hi]
             m, v = exp_avg[lo:hi].float(), exp_avg_sq[lo:hi].float()
@@ -173,9 +183,7 @@ def step_pieces(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
             m, v = exp_avg.index_select(0, idx).float(), exp_avg_sq.index_select(0, idx).float()
             vmax = max_exp_avg_sq.index_select(0, idx).float() if group["amsgrad"] else None
         _arith(p, g, m, v, vmax, group, step)
-        outs = [(exp_avg, stochastic_round(m, r >> 16)), (exp_avg_sq, stochastic_round(v, r & 0xFFFF))]
-        if vmax is not None:
-            outs.append((max_exp_avg_sq, stochastic_round(vmax, h32(r ^ 0x9E3779B9) >> 16)))
+        outs = list(zip((exp_avg, exp_avg_sq, max_exp_avg_sq), _rounded(m, v, vmax, r)))
         if idx is None:
             for dst, src in outs:
                 dst[lo:hi].copy_(src)
