@@ -4,6 +4,8 @@ torch's fused AdamW gives FSDP2 and mfsdp2 the same bits (see :class:`Net`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -104,3 +106,11 @@ def same_training(ours, ref, first_step: int = 0) -> None:
     assert list(ours.optim) == list(ref.optim)
     for name in ref.optim:
         equal_dicts(ours.optim[name], ref.optim[name], f"AdamW state of {name}")
+
+
+def after_two_steps(record, **more):
+    """The part of a training record (a dataclass: ``losses``, ``grads``, ``clipped``, ``norms``
+    per step, the rest final) after its first two optimizer steps: what a run resumed from a
+    checkpoint taken there must reproduce."""
+    return dataclasses.replace(record, losses=record.losses[len(record.losses) // 2:], grads=record.grads[2:],
+                               clipped=record.clipped[2:], norms=record.norms[2:], **more)

@@ -32,7 +32,7 @@ pytest.importorskip("accelerate", reason="accelerate is in the test extras: pip 
 
 from .._dist import run_ranks  # noqa: E402
 from . import _accelerate  # noqa: E402
-from ._trainer_model import equal_dicts, same_training  # noqa: E402
+from ._trainer_model import after_two_steps, equal_dicts, same_training  # noqa: E402
 from ._accelerate import Run  # noqa: E402
 from .test_lightning import NORM_REL  # noqa: E402
 
@@ -95,17 +95,7 @@ def test_manual_sharding_matches_accelerates_own(results):
 def test_load_state_resume(results, resumed, saved):
     for rank in (0, 1):
         new, old = results[rank][resumed], results[rank][saved]
-        tail = type(old)(
-            losses=old.losses[len(old.losses) // 2 :],
-            grads=old.grads[2:],
-            clipped=old.clipped[2:],
-            norms=old.norms[2:],
-            params=old.params,
-            optim=old.optim,
-            state_dict=old.state_dict,
-            steps=2,
-        )
-        _same_run(new, tail, first_step=2)
+        _same_run(new, after_two_steps(old, steps=2), first_step=2)
 
 
 def test_prepare_collapsing_empty_pieces_is_refused(results):
