@@ -31,12 +31,11 @@ from torch.distributed.tensor import DTensor
 from mfsdp2.checkpoint import state_dict as msd
 from mfsdp2.optim import AdamW, kernel
 from mfsdp2.optim.bf16_states import random_bits, salt, step_piece, stochastic_round
-from mfsdp2.precision import native
 
 from .._dist import run_ranks
 from ..models import batch, build, loss_fn
 from .test_optim_kernel import _ieee_reference
-from .test_optim_adamw import LAYOUTS, _groups_of, _inject, _meshes, _padding, _shard, _step_grads, full, same_bits
+from .test_optim_adamw import LAYOUTS, _groups_of, _inject, _meshes, _shard, _step_grads, _step_nan_padded, full, same_bits
 
 BF16 = torch.bfloat16
 
@@ -240,13 +239,7 @@ def _bf16_ranks(rank, ws, path):
             views = {n: p.grad for n, p in model.named_parameters()}
             for s in range(3):
                 _inject(model, views, grads[s])
-                for grp in _groups_of(model):
-                    grp.main_grad[_padding(grp)] = float("nan")
-                if variant == "reference":
-                    with native.reference_only():
-                        opt.step()
-                else:
-                    opt.step()
+                _step_nan_padded(opt, _groups_of(model), variant)
             what = f"{layout} {variant}"
             for n, p in model.named_parameters():
                 assert same_bits(full(p), want_p[n]), f"{what}: weight {n}"

@@ -22,6 +22,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
@@ -150,6 +152,15 @@ def _inject(model, views, grads) -> None:
             p.grad = g.clone()
 
 
+def _step_nan_padded(opt, groups, variant: str) -> None:
+    """NaN into the padding of the groups' main gradients (never stepped: the weights' padding
+    must stay zero), then ``opt.step()``; without the native kernel for ``variant == "reference"``."""
+    for grp in groups:
+        grp.main_grad[_padding(grp)] = float("nan")
+    with native.reference_only() if variant == "reference" else contextlib.nullcontext():
+        opt.step()
+
+
 def _equivalence_case(rank, case, meshes, variant: str):
     """``variant``: "native", "reference" (no native kernel) against the unsharded model with
     ``torch.optim.AdamW(foreach=False)``; "fused" against ``torch.optim.AdamW(fused=True)`` on
@@ -177,13 +188,7 @@ def _equivalence_case(rank, case, meshes, variant: str):
         grads = _step_grads(case, s, list(build("net", dtype=dtype).named_parameters()))
         for m, v in zip(models, views):
             _inject(m, v, grads)
-        for grp in groups:  # padding of the main gradients: never stepped
-            grp.main_grad[_padding(grp)] = float("nan")
-        if variant == "reference":
-            with native.reference_only():
-                opt.step()
-        else:
-            opt.step()
+        _step_nan_padded(opt, groups, variant)
         ropt.step()
     what = f"{variant} {case}"
     assert all(not isinstance(p, DTensor) for p in fallbacks), f"{what}: mfsdp2 parameters left the flat step"
