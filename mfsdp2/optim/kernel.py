@@ -65,7 +65,16 @@ _PROBE_CONFIGS = (
 
 
 def _probe(mod) -> tuple:
-    """Try each variant on a few steps of random problems against torch's for-loop AdamW."""
+    """Try each variant on a few steps of random problems against torch's for-loop AdamW.
+
+    MKL's VML initialises itself at its first call, and not safely across threads: in about one
+    process in five (torch 2.13, two threads) the first CPU ``sqrt`` torch splits over its threads
+    returns the second thread's chunk with errors up to 3e-4 relative, and every later call is
+    right. The probe's reference would then be wrong (and the native kernel refused for the
+    process), as would a first native step whose work items run in parallel; one small sqrt per
+    dtype on this thread first settles the initialisation."""
+    for dtype in (torch.float32, torch.float64):
+        torch.ones(1, dtype=dtype).sqrt()
     variants = [(fl, fa, ms) for ms in ((True, False) if mod.has_vml_sqrt() else (False,))
                 for fl in (True, False) for fa in (True, False)]
     sizes = (4096 + 13, 37, 1, 16)
