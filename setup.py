@@ -44,7 +44,7 @@ setup(
     cmdclass=cmdclass,
     # A range, not a pin: pip keeps the torch a user already has (often a CUDA build of their
     # own) when it lies in the range. 2.11 and 2.13 are the versions the suite runs on; 2.11's
-    # missing APIs are bridged by mfsdp2/integrations/compat.py. The Makefile pins the project's own CPU
+    # missing APIs are bridged by mfsdp2/base/compat.py. The Makefile pins the project's own CPU
     # wheel (constraints.txt) for its venv.
     install_requires=["torch>=2.11", "nvtx", "numpy"],
     extras_require={

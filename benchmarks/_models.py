@@ -51,7 +51,7 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
     if name == "tiny":  # 64 x Linear(64,64): framework overhead
         return Stack([nn.Linear(64, 64) for _ in range(64)])
     if name == "llama":
-        from mfsdp2.examples.llama import LlamaConfig, Transformer
+        from mfsdp2.models.llama import LlamaConfig, Transformer
 
         return Transformer(LlamaConfig.demo())
     raise ValueError(f"unknown model {name!r}")
@@ -73,7 +73,7 @@ def make_batch(name: str, step: int, rank: int, world_size: int, global_batch: O
     gb = global_batch or GLOBAL_BATCH[name]
     per = gb // world_size
     if name == "llama":
-        from mfsdp2.examples.llama import LlamaConfig, SyntheticTokens
+        from mfsdp2.models.llama import LlamaConfig, SyntheticTokens
 
         data = SyntheticTokens(LlamaConfig.demo().vocab_size, seed=seed)
         x, y = data.batch(step, gb, LLAMA_SEQ)

@@ -177,7 +177,7 @@ class CommReplay:
     def __init__(self, records: list, world_size: int, counter: Optional[CollectiveCounter] = None,
                  device: str = "cpu"):
         fns = counter.originals if counter is not None else {}
-        # before torch 2.13: all_gather_into_tensor / reduce_scatter_tensor (mfsdp2/integrations/compat.py)
+        # before torch 2.13: all_gather_into_tensor / reduce_scatter_tensor (mfsdp2/base/compat.py)
         ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
         rs = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
         self._ag = fns.get(ag) or getattr(dist, ag)

@@ -40,7 +40,7 @@ alone, fresh model, after one warm-up step) the peak tensor memory per rank and 
 * peak RSS: the kernel's high-water mark (VmHWM), reset before each framework's memory phase.
 
 Cases: ``mlp`` (8 x Linear(1024,4096)-GELU-Linear(4096,1024), global batch 16), ``llama``
-(``mfsdp2.examples.llama`` ``LlamaConfig.demo()``, global batch 8 x 128 tokens), ``tiny``
+(``mfsdp2.models.llama`` ``LlamaConfig.demo()``, global batch 8 x 128 tokens), ``tiny``
 (64 x Linear(64,64), global batch 16: framework overhead); configs ``fp32``, ``bf16`` (bf16 params,
 fp32 reduce) and ``fp32_no_reshard`` (``reshard_after_forward=False``). World size 2, one thread
 per rank. ``--quick``: mlp / fp32 only, few steps (well under 3 minutes).

@@ -5,7 +5,7 @@ Launch one process per visible GPU::
     torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" benchmarks/gpu.py \\
         [--peak-tflops 989] [--steps 20] [--batch 2] [--seq 2048] [--json gpu.json]
 
-Every framework (mfsdp2, FSDP2 as shipped, FSDP2 tuned) is built on every rank from the same seed (``mfsdp2.examples.llama.Transformer``:
+Every framework (mfsdp2, FSDP2 as shipped, FSDP2 tuned) is built on every rank from the same seed (``mfsdp2.models.llama.Transformer``:
 dim 2048, 16 layers, 32 heads, 8 KV heads, SwiGLU 8192, vocab 32000, untied output: 1.14B params),
 each ``TransformerBlock`` and then the root are ``fully_shard``-ed, and both train with AdamW on the
 same random token batches. Timing alternates blocks of ``--block`` steps (mfsdp2, FSDP2, FSDP2,
@@ -66,7 +66,7 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "B20
 
 
 def model_config(size: str, seq: int):
-    from mfsdp2.examples.llama import LlamaConfig
+    from mfsdp2.models.llama import LlamaConfig
 
     if size == "1b":
         return LlamaConfig(vocab_size=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
@@ -154,7 +154,7 @@ def run(a: argparse.Namespace) -> int:
 def _bench(a, device, rank: int, ws: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mfsdp2.examples.llama import Transformer
+    from mfsdp2.models.llama import Transformer
 
     counter = C.CollectiveCounter().install()  # before any model is built
     mesh = init_device_mesh(device.type, (ws,))

@@ -105,8 +105,8 @@ def memory_case(spec: dict) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     import mfsdp2
-    import mfsdp2.memory.param_group as PG
-    from mfsdp2.examples.llama import LlamaConfig, Transformer
+    import mfsdp2.groups.param_group as PG
+    from mfsdp2.models.llama import LlamaConfig, Transformer
 
     mesh = _init_fake(spec["mesh"])
     shard_mesh = mesh["shard"]
@@ -157,8 +157,8 @@ def step_case(spec: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    import mfsdp2.memory.param_group as PG
-    from mfsdp2.examples.llama import LlamaConfig, Transformer
+    import mfsdp2.groups.param_group as PG
+    from mfsdp2.models.llama import LlamaConfig, Transformer
     from mfsdp2.runtime.hooks import lazy_init
     from mfsdp2.runtime.state import unit_state
     from mfsdp2.memory.trace_pool import TracePoolAllocator
@@ -235,7 +235,7 @@ def fake_collective_case(spec: dict) -> dict:
     import torch.distributed as dist
 
     from mfsdp2.integrations import compat
-    from mfsdp2.examples.llama import LlamaConfig, Transformer
+    from mfsdp2.models.llama import LlamaConfig, Transformer
     from mfsdp2.memory.layout import plan_layout
 
     mesh = _init_fake(spec["mesh"])

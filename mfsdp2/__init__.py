@@ -1,18 +1,25 @@
 """mfsdp2: per-module sharding for PyTorch with FSDP2's API (``fully_shard``).
 
-See ``docs/design.md`` for the lifecycle, buffer layout, streams and allocator. The folders
-follow its parts (each ``__init__`` says what it owns and what it may import):
+See ``docs/design.md`` for the lifecycle, buffer layout, streams and allocator. The folders are
+layers, listed bottom up; a folder imports only folders below it (each ``__init__`` names them
+in ``MAY_IMPORT``; ``tests/test_layers.py`` reads every import and checks):
 
-* ``frontend`` -- ``fully_shard``, the ``FSDPModule`` mixin and FSDP2's API surface;
-* ``runtime`` -- the step lifecycle: hooks, schedule, per-step state, step guard;
-* ``memory`` -- buffer layout, flat buffers, parameter groups, allocators, offload;
-* ``comm`` -- the communicator, backends, custom collectives, gradient reduction, buckets;
-* ``dtensors`` -- the ``RowShard`` placement, DTensor op handlers, row propagation;
+* ``base`` -- torch-version bridges, profiler ranges, strategy values, input/output walks;
+* ``comm`` -- the communicator, backends, custom collectives;
+* ``dtensors`` -- the ``RowShard`` placement, DTensor op handlers, row propagation, TP placements;
+* ``memory`` -- buffer layout, flat buffers, allocators, offload;
 * ``precision`` -- mixed precision, float8, Transformer Engine, native kernels;
-* ``checkpoint`` -- state dicts and checkpoints; ``optim`` -- the flat AdamW;
-* ``integrations`` -- pipelining, tensor parallel, gradient clipping, torch-version bridges;
-* ``estimate`` -- the memory estimate before launch; ``examples`` -- runnable examples.
+* ``groups`` -- parameter groups, their gradient reduction and shared buckets;
+* ``runtime`` -- the step lifecycle: hooks, schedule, per-step state, step guard;
+* ``checkpoint`` -- state dicts and checkpoints;
+* ``frontend`` -- ``fully_shard``, the ``FSDPModule`` mixin and FSDP2's API surface;
+* ``integrations`` -- pipelining, gradient clipping; ``optim`` -- the flat AdamW;
+* ``models`` -- plain model definitions; ``estimate`` -- the memory estimate before launch;
+* this package's root (the public names), then ``examples`` -- runnable scripts.
 """
+
+import importlib as _importlib
+import sys as _sys
 
 from .memory.allocator import BucketAllocator, CachingAllocator, DynamicAllocator
 from .integrations.clip_grad import clip_grad_norm_
@@ -30,6 +37,37 @@ _module.fully_shard = fully_shard  # ``mfsdp2.frontend.module.fully_shard`` (whe
 from .dtensors.placement import RowShard
 from .memory.trace_pool import TracePoolAllocator
 from . import optim  # mfsdp2.optim.AdamW
+
+MAY_IMPORT: tuple[str, ...] = ("base", "comm", "dtensors", "memory", "precision", "groups", "runtime", "checkpoint",
+                               "frontend", "integrations", "optim", "models", "estimate")
+
+# Module paths of earlier releases, kept importable for one release: code that imports a module
+# directly, and files written by ``torch.save`` that pickled an object by its module's name
+# (a ``RowShard`` placement; DCP's write-nothing function stays at its own old path).
+_MOVED = {
+    "mfsdp2.placement": "mfsdp2.dtensors.placement",
+    "mfsdp2.integrations.compat": "mfsdp2.base.compat",
+    "mfsdp2.runtime.profiling": "mfsdp2.base.profiling",
+    "mfsdp2.frontend.strategy": "mfsdp2.base.strategy",
+    "mfsdp2.frontend.structures": "mfsdp2.base.structures",
+    "mfsdp2.frontend.fsdp2_state": "mfsdp2.runtime.fsdp2_state",
+    "mfsdp2.frontend.shared_params": "mfsdp2.runtime.shared_params",
+    "mfsdp2.frontend.param_adoption": "mfsdp2.runtime.param_adoption",
+    "mfsdp2.integrations.tensor_parallel": "mfsdp2.dtensors.tensor_parallel",
+    "mfsdp2.memory.param_group": "mfsdp2.groups.param_group",
+    "mfsdp2.memory.param_registration": "mfsdp2.groups.param_registration",
+    "mfsdp2.memory.weight_changes": "mfsdp2.groups.weight_changes",
+    "mfsdp2.memory.weight_watch": "mfsdp2.groups.weight_watch",
+    "mfsdp2.memory.grad_views": "mfsdp2.groups.grad_views",
+    "mfsdp2.comm.grad_reduction": "mfsdp2.groups.grad_reduction",
+    "mfsdp2.comm.grad_buckets": "mfsdp2.groups.grad_buckets",
+    "mfsdp2.comm.gather_buckets": "mfsdp2.groups.gather_buckets",
+    "mfsdp2.comm.main_grad": "mfsdp2.groups.main_grad",
+    "mfsdp2.examples.llama": "mfsdp2.models.llama",
+}
+for _old, _new in _MOVED.items():
+    _sys.modules.setdefault(_old, _importlib.import_module(_new))
+del _old, _new
 
 __all__ = [
     "fully_shard",

@@ -121,7 +121,7 @@ def _net_data(step, dev):
 
 
 def _llama_data(step, dev, cfg):
-    from mfsdp2.examples.llama import SyntheticTokens
+    from mfsdp2.models.llama import SyntheticTokens
 
     x, y = SyntheticTokens(cfg.vocab_size, seed=7).batch(step, 4, cfg.max_seq_len)
     return x.to(dev), y.to(dev)
@@ -130,7 +130,7 @@ def _llama_data(step, dev, cfg):
 def _build_model(kind: str, dev):
     if kind == "net":
         return build("net").to(dev)
-    from mfsdp2.examples.llama import LlamaConfig, Transformer
+    from mfsdp2.models.llama import LlamaConfig, Transformer
 
     torch.manual_seed(0)
     return Transformer(LlamaConfig.tiny()).to(dev)

@@ -63,7 +63,7 @@ def test_parity_with_unsharded_reference(ws, kind, opt_kind, wrap):
 def _llama_losses(rank, ws, steps):
     import torch.nn.functional as F
 
-    from mfsdp2.examples.llama import LlamaConfig, SyntheticTokens, Transformer, rank_slice
+    from mfsdp2.models.llama import LlamaConfig, SyntheticTokens, Transformer, rank_slice
 
     cfg = LlamaConfig.tiny()
     torch.manual_seed(0)

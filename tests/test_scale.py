@@ -34,7 +34,7 @@ STEP_SCRIPT = textwrap.dedent(
     ws = int(sys.argv[1])
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ws)
     from mfsdp2 import fully_shard
-    from mfsdp2.examples.llama import LlamaConfig, Transformer
+    from mfsdp2.models.llama import LlamaConfig, Transformer
     from mfsdp2.memory.layout import BufferLayout
     from mfsdp2.dtensors.placement import RowShard
     mesh = init_device_mesh("cpu", (ws,))
@@ -85,7 +85,7 @@ GEOMETRY_SCRIPT = textwrap.dedent(
     shape = tuple(json.loads(sys.argv[1]))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
     from mfsdp2 import fully_shard
-    from mfsdp2.examples.llama import LlamaConfig, Transformer
+    from mfsdp2.models.llama import LlamaConfig, Transformer
     from mfsdp2.runtime.state import unit_state
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
     cfg = LlamaConfig(**json.loads(sys.argv[2]))

@@ -128,7 +128,7 @@ def _gathers_once_per_step(rank, ws, cap_mb):
     """optim_grads keeps the full weights: gathered once per optimizer step, not per forward and
     backward; eval passes and gradient accumulation gather nothing. One all-gather per unit with
     bucketing off (``cap_mb=0``); with it, one per unit in the first forward (no recorded order
-    yet), then one bucket for the whole model (mfsdp2/comm/gather_buckets.py)."""
+    yet), then one bucket for the whole model (mfsdp2/groups/gather_buckets.py)."""
     mesh = init_device_mesh("cpu", (ws,))
     model = _wrap(build("net"), mesh, "optim_grads")
     if cap_mb is not None:

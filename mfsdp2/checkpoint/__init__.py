@@ -10,6 +10,7 @@
 * ``fused`` — split/join fused parameters (SwiGLU ``fc1``) in sharded or full state dicts;
 * ``hf`` — Hugging Face safetensors: per-rank row reads on import, gathered export.
 
-Imports: ``dtensors.placement``, ``runtime.state`` and ``integrations.compat``; never
-``frontend`` (which imports this folder to register the state-dict hooks).
+``frontend`` imports this folder to register the state-dict hooks on each unit.
 """
+
+MAY_IMPORT: tuple[str, ...] = ("base", "comm", "dtensors", "memory", "precision", "groups", "runtime")

@@ -37,8 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..integrations import compat
-from ..dtensors.placement import RowShard, communicable, row_sharded_dtensor, wrap_local
+from ..base import compat
+from ..dtensors.placement import RowShard, communicable, mark_write_nothing, row_sharded_dtensor, wrap_local, write_nothing
 from ..runtime.state import unit_state
 
 __all__ = [
@@ -114,16 +114,9 @@ def mesh_rank(t: DTensor) -> int:
     return int(t.device_mesh.get_local_rank(0))
 
 
-def _write_nothing(fqn: str, obj: Any) -> list:
-    """``__create_write_items__`` of an object that must not be written (module level: picklable)."""
-    return []
-
-
-def mark_write_nothing(t: torch.Tensor) -> torch.Tensor:
-    """Make DCP write nothing for ``t`` (a DTensor with an empty piece, or a placeholder scalar)."""
-    target = t._local_tensor if isinstance(t, DTensor) else t
-    target.__create_write_items__ = _write_nothing
-    return t
+# The function DCP finds on a write-nothing tensor is pickled by name with it (torch.save keeps a
+# tensor's attributes): checkpoints written before it moved name it here.
+_write_nothing = write_nothing
 
 
 def relabel_rows(local: torch.Tensor, like: DTensor, rows: Sequence[int]) -> DTensor:

@@ -56,9 +56,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..dtensors.placement import RowShard, communicable, wrap_local
+from ..groups.param_group import mark_empty_pieces
 from ._common import check_loadable, full_of, global_rows, mark_write_nothing, relabel_rows, row_range
 
-__all__ = ["register_state_dict_hooks", "mark_empty_pieces"]
+__all__ = ["register_state_dict_hooks"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +70,6 @@ def register_state_dict_hooks(module: nn.Module) -> None:
     module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     for g in module._mfsdp2_state.groups:
         mark_empty_pieces(g)
-
-
-def mark_empty_pieces(g) -> None:
-    """Empty pieces of the parameters themselves write nothing either (state_dict(keep_vars=True))."""
-    for i, dp in enumerate(g.dist_params):
-        if g.layout.piece(i, g.rank).numel == 0 and dp.numel() > 0:
-            mark_write_nothing(dp)
 
 
 def _own_entries(module: nn.Module, prefix: str):
@@ -97,7 +91,7 @@ def _own_entries(module: nn.Module, prefix: str):
                     continue  # replaced since fully_shard: the module's own object is the entry
                 if info.fqn.startswith(tag):
                     if rows is None:
-                        # A pending value (mfsdp2.frontend.param_adoption: a replaced parameter, not yet in
+                        # A pending value (mfsdp2.runtime.param_adoption: a replaced parameter, not yet in
                         # the group's rows) is described by its own placement.
                         pending = i in g.pending and not _generic(dp)
                         rows = dp.placements[0].rows if pending else g.layout.rows_per_rank(i)

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..integrations import compat
+from ..base import compat
 from .devices import group_backend, reduce_op_support
 
 __all__ = [
@@ -137,7 +137,7 @@ class CommStats:
     reduce_scatter_calls: int = 0
     all_reduce_bytes: int = 0
     all_reduce_calls: int = 0
-    # Sharded groups reduced as their share of a bucketed all-reduce (mfsdp2.comm.grad_buckets) instead
+    # Sharded groups reduced as their share of a bucketed all-reduce (mfsdp2.groups.grad_buckets) instead
     # of a reduce-scatter of their own: with ``reduce_scatter_calls``, one per unit reduction.
     reduce_scatters_in_buckets: int = 0
     all_reduce_buckets: int = 0  # of ``all_reduce_calls``: the bucketed gradient all-reduces
@@ -422,7 +422,7 @@ class Communicator:
     def reduce_scatter_is_all_reduce(self, op, input_bytes: int) -> bool:
         """Whether :meth:`reduce_scatter` of ``input_bytes`` runs as an all-reduce of the whole
         input (gloo, below :data:`SMALL_REDUCE_SCATTER_BYTES`): such a reduction may then share
-        a bucketed all-reduce with other groups' (``mfsdp2.comm.grad_buckets``) at no extra bytes."""
+        a bucketed all-reduce with other groups' (``mfsdp2.groups.grad_buckets``) at no extra bytes."""
         return (
             self.world_size > 1
             and self.p2p_reduce_scatter

@@ -54,7 +54,7 @@ one-element value) runs on the local pieces -- element-wise writes, so each rank
 whole write restricted to them. Other ``index_put_`` forms are left to DTensor.
 
 Element-wise ``_foreach`` ops DTensor has no rule for on the running torch
-(:func:`~mfsdp2.integrations.compat.dtensor_has_rule`; torch 2.11 lacks ``_foreach_sign_`` of ``Rprop``,
+(:func:`~mfsdp2.base.compat.dtensor_has_rule`; torch 2.11 lacks ``_foreach_sign_`` of ``Rprop``,
 ``_foreach_lerp_.ScalarList`` and ``_foreach_rsqrt_`` of ``Adafactor`` and some 80 more) run on
 the local pieces when our DTensors are among their arguments: each result element depends on the
 same element of each input, so when every DTensor of index i holds the same rows (the first one's:
@@ -74,7 +74,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..integrations import compat
+from ..base import compat
 from .placement import RowShard, chunk_rows, wrap_local
 
 __all__ = ["install"]

@@ -29,17 +29,18 @@ splits place differently, through ``Replicate`` (:mod:`mfsdp2.dtensors.row_split
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.device_mesh import DeviceMesh
 
-from ..integrations import compat
+from ..base import compat
 from ..comm.devices import group_backend
 
-__all__ = ["RowShard", "row_sharded_dtensor", "data_parallel_dtensor", "chunk_rows", "wrap_local", "communicable"]
+__all__ = ["RowShard", "row_sharded_dtensor", "data_parallel_dtensor", "chunk_rows", "wrap_local", "communicable",
+           "mark_write_nothing", "write_nothing"]
 
 
 class RowShard(Shard):
@@ -192,3 +193,19 @@ def communicable(t: DTensor) -> DTensor:
     if all(group_backend(g, dev) is not None for g in groups):
         return t
     return t.to(t.device_mesh.device_type)
+
+
+def write_nothing(fqn: str, obj: Any) -> list:
+    """``__create_write_items__`` of an object that must not be written (module level: picklable)."""
+    return []
+
+
+def mark_write_nothing(t: torch.Tensor) -> torch.Tensor:
+    """Make DCP write nothing for ``t`` (a DTensor with an empty piece, or a placeholder scalar).
+
+    Why here: an empty piece is a property of a placement (a rank that holds no rows of a
+    parameter), so the parameter groups mark their own pieces as they make them, and the
+    checkpoint code marks the placeholders it builds."""
+    target = t._local_tensor if isinstance(t, DTensor) else t
+    target.__create_write_items__ = write_nothing
+    return t

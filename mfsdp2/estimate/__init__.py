@@ -7,4 +7,8 @@ from .api import estimate_memory
 from .plan import OPTIMIZERS
 from .report import MemoryEstimate
 
+# Nothing in the runtime imports this folder: the estimate replays the runtime's planning code.
+MAY_IMPORT: tuple[str, ...] = ("base", "comm", "dtensors", "memory", "precision", "groups", "runtime", "checkpoint",
+                               "frontend", "integrations", "optim", "models")
+
 __all__ = ["estimate_memory", "MemoryEstimate", "OPTIMIZERS"]

@@ -5,7 +5,7 @@
         --mesh 8,128 --batch 2 --seq 4096 --json
 
 The model is built under ``torch.device("meta")`` (no memory): ``--llama NAME`` for a Llama-3
-geometry (8B, 70B, 405B) or the demo decoder (``demo``) of ``mfsdp2.examples.llama``, or
+geometry (8B, 70B, 405B) or the demo decoder (``demo``) of ``mfsdp2.models.llama``, or
 ``--model module:callable`` (with ``--kwargs``) for your own. ``--units`` names the class whose
 instances ``fully_shard`` wraps before the root (``module:Class``, or a class name found in the
 model); the Llama presets wrap each ``TransformerBlock``. Input: ``--batch`` per rank and
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     with torch.device("meta"):
         if a.llama:
-            from mfsdp2.examples.llama import LlamaConfig, Transformer, TransformerBlock
+            from mfsdp2.models.llama import LlamaConfig, Transformer, TransformerBlock
 
             cfg = LlamaConfig.demo() if a.llama == "demo" else LlamaConfig(**LLAMA3[a.llama])
             if a.seq is not None and a.seq > cfg.max_seq_len:

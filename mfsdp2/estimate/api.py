@@ -16,9 +16,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ..integrations import compat
+from ..base import compat
 from ..precision.mixed_precision import MixedPrecisionPolicy
-from ..frontend.strategy import ShardingStrategy
+from ..base.strategy import ShardingStrategy
 from .plan import OPTIMIZERS, UnitsArg, _itemsize, optimizer_temp_bytes, persistent_bytes, plan_units, resolve_units
 from .report import AT_PEAK_ORDER, MemoryEstimate, _ROLE_CATEGORY
 from .held import ALLOCATORS
@@ -100,7 +100,7 @@ def estimate_memory(
     allocator's blocks (``UntypedStorage._swap_data_ptr_``, torch >= 2.13); False: they take
     torch's own memory (``storage.resize_``), which the allocator counts but does not hold, so
     it caches and pools only the rest. Default: what this torch does
-    (:data:`mfsdp2.integrations.compat.HAS_STORAGE_SWAP`, ``MFSDP2_NO_STORAGE_SWAP=1`` included).
+    (:data:`mfsdp2.base.compat.HAS_STORAGE_SWAP`, ``MFSDP2_NO_STORAGE_SWAP=1`` included).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"mfsdp2.estimate_memory: model must be an nn.Module, got {type(model).__name__}")

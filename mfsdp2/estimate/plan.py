@@ -5,7 +5,7 @@ Nothing here needs a process group or real memory: a unit's parameters are found
 ``fully_shard`` finds them (its own modules' parameters in registration order, nested units
 skipped, a parameter used by several units owned by their lowest common unit), grouped by
 ``(dtype, requires_grad, fp8)`` as ``fully_shard`` groups them, and each group's layout is
-:func:`mfsdp2.memory.layout.plan_layout` called with the arguments :class:`~mfsdp2.memory.param_group.ParameterGroup`
+:func:`mfsdp2.memory.layout.plan_layout` called with the arguments :class:`~mfsdp2.groups.param_group.ParameterGroup`
 passes (the shard-group size, 16 bytes of the narrower of the compute and main dtypes). So the
 shard size ``S``, the padding and every rank's rows are the runtime's, and the bytes of main
 weights, main gradients, persistent weights and optimizer states are exact per rank.
@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from ..memory.layout import BufferLayout, plan_layout
 from ..precision.mixed_precision import MixedPrecisionPolicy
-from ..frontend.strategy import ShardingStrategy
+from ..base.strategy import ShardingStrategy
 
 __all__ = ["GroupPlan", "UnitPlan", "plan_units", "resolve_units", "OptimizerSpec", "OPTIMIZERS"]
 
@@ -75,7 +75,7 @@ OPTIMIZERS = {
 
 @dataclass
 class GroupPlan:
-    """One :class:`~mfsdp2.memory.param_group.ParameterGroup` as ``fully_shard`` would build it."""
+    """One :class:`~mfsdp2.groups.param_group.ParameterGroup` as ``fully_shard`` would build it."""
 
     unit: str
     index: int

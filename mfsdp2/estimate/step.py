@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from ..frontend.strategy import ShardingStrategy
+from ..base.strategy import ShardingStrategy
 from .held import META, held_bytes, replay_allocator
 from .plan import UnitPlan, _itemsize
 from .trace import Mark

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mfsdp2.examples.llama import LlamaConfig, SyntheticTokens, Transformer, count_params, rank_slice
+from mfsdp2.models.llama import LlamaConfig, SyntheticTokens, Transformer, count_params, rank_slice
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp2.examples.llama import LlamaConfig, SyntheticTokens, Transformer, rank_slice
+from mfsdp2.models.llama import LlamaConfig, SyntheticTokens, Transformer, rank_slice
 
 
 def import_fully_shard(runtime: str) -> Callable:

@@ -31,7 +31,7 @@ group adopts the results:
   on -- one module of a unit of several (``model.to_empty`` meets ``fully_shard([norm, output])``
   once per module), or a sub-module converted alone (``model.norm.to_empty(...)``). Those values
   are staged: written in place when they fit the group, else held by their parameter objects
-  until the rest of the group agrees, then taken in (:mod:`mfsdp2.frontend.param_adoption`). A group left
+  until the rest of the group agrees, then taken in (:mod:`mfsdp2.runtime.param_adoption`). A group left
   with parameters on the meta device, or in two dtypes, is refused at its next gather, naming
   them, as FSDP2 refuses them.
 
@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .param_adoption import (
+from ..runtime.param_adoption import (
     adopt_replaced, asked_dtype, check_device, probe_dtype, put_grads, rebuilt, same_memory, settle, stage,
 )
 from ..runtime.state import ShardState, TrainingState
@@ -73,7 +73,7 @@ def apply_to_unit(module: nn.Module, fn: Callable, recurse: bool, super_apply: C
     Only the parameters ``fn`` reaches are converted: those registered on ``module`` (and, with
     ``recurse``, on its subtree). A unit of several modules (``fully_shard([norm, output])``) is
     met once per module, so a conversion may reach part of a group; those values are staged
-    (:func:`mfsdp2.frontend.param_adoption.stage`) and the group takes them in once its parameters agree."""
+    (:func:`mfsdp2.runtime.param_adoption.stage`) and the group takes them in once its parameters agree."""
     from ..runtime.hooks import reshard
 
     state = module._mfsdp2_state

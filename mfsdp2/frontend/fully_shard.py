@@ -2,7 +2,7 @@
 
 The unit's own parameters (those of its modules' subtrees minus nested units and
 ``ignored_params``) are grouped by (dtype, requires_grad) into
-:class:`~mfsdp2.memory.param_group.ParameterGroup` s, replaced on the modules by row-sharded DTensor
+:class:`~mfsdp2.groups.param_group.ParameterGroup` s, replaced on the modules by row-sharded DTensor
 parameters for the optimizer, and every module's class becomes ``FSDP<Cls>`` (the
 :class:`~mfsdp2.frontend.module.FSDPModule` methods). Every keyword of torch 2.13's ``fully_shard`` is
 accepted; what each does in mfsdp2 is in docs/design.md ("FSDP2's API surface").
@@ -23,20 +23,20 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..comm import devices
 from ..memory.allocator import BucketAllocator
 from ..comm.communicator import Communicator
-from .fsdp2_state import bind_runtime
+from ..runtime.fsdp2_state import bind_runtime
 from ..runtime.hooks import lazy_init
 from ..runtime.external_backward import finish_backward, reduce_accumulated
 from ..precision.mixed_precision import MixedPrecisionPolicy
 from .module import _EAGER_POST_FORWARD, _EAGER_PRE_FORWARD, FSDPModule
 from .torch_identity import register_torch_state
 from ..memory.offload import MainMemory, main_memory_for
-from ..memory.param_group import GroupConfig, ParameterGroup, ParamInfo
+from ..groups.param_group import GroupConfig, ParameterGroup, ParamInfo
 from ..dtensors.shard_dim import InvalidShardDimError, shard_dims  # noqa: F401  (InvalidShardDimError: re-exported)
-from .shared_params import adopt_shared, mark_owned
+from ..runtime.shared_params import adopt_shared, mark_owned
 from ..runtime.state import FSDPState, unit_state
 from ..checkpoint.state_dict import register_state_dict_hooks
-from .strategy import ShardingStrategy, Topology
-from ..integrations.tensor_parallel import TPSpec, tp_spec_of
+from ..base.strategy import ShardingStrategy, Topology
+from ..dtensors.tensor_parallel import TPSpec, tp_spec_of
 
 __all__ = ["fully_shard"]
 
@@ -261,7 +261,7 @@ def fully_shard(
     mfsdp2's own: ``allocator`` is read from the root only (``"caching"`` default, ``"dynamic"``,
     ``"trace_pool"`` or a :class:`~mfsdp2.memory.allocator.BucketAllocator`); ``sharding_strategy``:
     ``"optim_grads_params"`` (ZeRO-3, default), ``"optim_grads"`` (ZeRO-2), ``"optim"`` (ZeRO-1)
-    or ``"no_shard"`` (DDP); see :mod:`mfsdp2.frontend.strategy`.
+    or ``"no_shard"`` (DDP); see :mod:`mfsdp2.base.strategy`.
     """
     modules = _as_modules(module)
     if not (allocator is None or isinstance(allocator, BucketAllocator) or allocator in ("caching", "dynamic", "trace_pool")):
@@ -395,7 +395,7 @@ def _state(module: nn.Module) -> Optional[FSDPState]:
     """FSDP2's ``fully_shard.state(module)``: the unit state ``fully_shard`` attached to
     ``module`` (the same object for every module of a ``fully_shard([a, b])`` unit), or ``None``
     for a module it was not applied to. It answers FSDP2's private state names too
-    (:mod:`mfsdp2.frontend.fsdp2_state`)."""
+    (:mod:`mfsdp2.runtime.fsdp2_state`)."""
     return unit_state(module)
 
 

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from .param_adoption import adopt_replaced, settle_all
+from ..runtime.param_adoption import adopt_replaced, settle_all
 from ..dtensors.shard_dim import rows_along
 
 __all__ = ["materialize"]

@@ -356,11 +356,11 @@ class FSDPModule(*torch_bases()):
         (root only; default 25, torch DDP's ``bucket_cap_mb``). 0 turns bucketing off: every unit
         reduces its own gradients as soon as they are packed (FSDP2's one reduce-scatter per
         unit). Takes effect from the second backward after the call (the first records the order
-        the buckets are planned from). See :mod:`mfsdp2.comm.grad_buckets`.
+        the buckets are planned from). See :mod:`mfsdp2.groups.grad_buckets`.
 
         The same cap bounds the buckets in which the persistent weights of ``optim`` /
         ``optim_grads`` units are re-gathered across units after a step (from the next forward;
-        0: one all-gather per unit). See :mod:`mfsdp2.comm.gather_buckets`."""
+        0: one all-gather per unit). See :mod:`mfsdp2.groups.gather_buckets`."""
         state = self._mfsdp2_state
         lazy_init(state)
         state.ctx.buckets.set_cap_mb(mb)

@@ -20,7 +20,7 @@ reaches torch's implementation, which reads FSDP2's private state. This file kee
 * :func:`register_torch_state` makes torch's own ``fully_shard.state(unit)`` (its ``@contract``
   lookup, used by torch's pipeline stages at the REDUCE_GRAD action) return the unit's mfsdp2
   state, which answers FSDP2's names with mfsdp2's meaning
-  (:mod:`mfsdp2.frontend.fsdp2_state`). Only the state slot is filled, not the composable
+  (:mod:`mfsdp2.runtime.fsdp2_state`). Only the state slot is filled, not the composable
   registry, so torch's ``fully_shard`` and DSD do not treat the module as one of their own.
 """
 

@@ -4,7 +4,7 @@ all-reduce for the whole model, instead of per-parameter DTensor dispatch.
 Why: ``torch.nn.utils.clip_grad_norm_`` on DTensor gradients pays DTensor's dispatch for every
 parameter (a norm, a stack, a ``Partial`` reduction, a multiply), which FSDP2 users measure in
 tens of milliseconds of CPU time per step on large models. Our gradients are views of one flat
-main-gradient shard per :class:`~mfsdp2.memory.param_group.ParameterGroup`, so the norm is a reduction
+main-gradient shard per :class:`~mfsdp2.groups.param_group.ParameterGroup`, so the norm is a reduction
 over those flat tensors (per-parameter pieces when only some parameters are clipped or their norms
 are asked for: one ``segment_reduce``), summed over the data-parallel shard group in one
 all-reduce, and the clip is one multiply per flat shard.
@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..comm.communicator import device_ints
-from ..memory.param_group import live_groups
+from ..groups.param_group import live_groups
 
 __all__ = ["clip_grad_norm_"]
 

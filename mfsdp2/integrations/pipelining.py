@@ -7,7 +7,7 @@ before each micro-batch's backward (full, input or weight pass) gradient sync, r
 backward and last-backward are off, so unsharded gradients accumulate locally and the units stay
 gathered between a micro-batch's input and weight passes; the schedule's REDUCE_GRAD calls
 each unit's ``post_backward()`` and the root's final callback (mfsdp2's answers to FSDP2's names,
-:mod:`mfsdp2.frontend.fsdp2_state`), which reduce once per step; after the first step's metadata
+:mod:`mfsdp2.runtime.fsdp2_state`), which reduce once per step; after the first step's metadata
 inference it reshards the units and clears their gradients.
 
 This class adds what torch's stage does not do:

@@ -1,16 +1,10 @@
-"""Parameters and memory: where every byte of a unit lives and when it is freed.
+"""Memory: where the bytes of a unit live and when they are freed.
 
-Owns the flat-buffer layout (``layout``), the flat buffers (``buffer``), the parameter groups
-that hold a unit's shards, gathered weights and gradients (``param_group``, with its parameters
-as the modules and the optimizer see them in ``param_registration`` and the staleness of its
-gathered weights in ``weight_changes``), the allocators
+Owns the flat-buffer layout (``layout``), the flat buffers (``buffer``), the allocators
 (``allocator``) and the trace-then-plan pool with its planner (``trace_pool``, ``pool_plan``), the
-step's memory bound (``memory_bound``), the change detection of persistent weights
-(``weight_watch``), the gradient views (``grad_views``) and host main memory under CPU offload
-(``offload``).
-
-Imports: ``comm`` (the communicator; ``param_group`` mixes in ``comm.grad_reduction``),
-``dtensors``, ``precision`` and ``integrations.compat`` / ``integrations.tensor_parallel``;
-from ``frontend`` only the leaf ``strategy``. Never ``runtime`` or the rest of ``frontend``:
-the lifecycle drives memory, not the other way round.
+step's memory bound (``memory_bound``) and host main memory under CPU offload (``offload``).
+The parameter groups that fill these buffers are ``groups``'s: memory knows bytes and
+lifetimes, not parameters.
 """
+
+MAY_IMPORT: tuple[str, ...] = ("base", "comm", "dtensors")

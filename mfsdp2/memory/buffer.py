@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from ..integrations import compat
+from ..base import compat
 from ..comm.communicator import CommHandle, Communicator
 from .layout import BufferLayout
 from .offload import copy_from_main
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 # Blocks taken without an allocator (before the root's first forward) whose gather did not
 # provably end: referenced for the process's life (see DataParallelBuffer.abandon_unsharded).
-_leaked_blocks: list = []
+leaked_blocks: list = []
 
 
 class DataParallelBuffer:
@@ -207,7 +207,7 @@ class DataParallelBuffer:
         if alloc is not None:
             alloc.leak(key, why)
         elif block is not None:
-            _leaked_blocks.append(block)
+            leaked_blocks.append(block)
 
     # -- collectives --------------------------------------------------------------------------
     def all_gather(self, allocator=None, key=None, label: str = "") -> CommHandle:
@@ -220,7 +220,7 @@ class DataParallelBuffer:
 
     def place_rows(self, rows: torch.Tensor) -> None:
         """Fill the unsharded buffer from ``rows`` (``(world size, shard numel)``, row ``q`` =
-        rank ``q``'s shard): a gather shared with other groups (:mod:`mfsdp2.comm.gather_buckets`)
+        rank ``q``'s shard): a gather shared with other groups (:mod:`mfsdp2.groups.gather_buckets`)
         delivers this buffer's shards as one strided block of its output."""
         self._writer.view(self.layout.world_size, self.layout.shard_numel).copy_(rows)
 

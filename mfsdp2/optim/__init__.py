@@ -5,4 +5,7 @@ an accelerator; optionally bfloat16 moments, :mod:`mfsdp2.optim.bf16_states`). S
 
 from .adamw import AdamW
 
+MAY_IMPORT: tuple[str, ...] = ("base", "comm", "dtensors", "memory", "precision", "groups", "runtime", "checkpoint",
+                               "frontend", "integrations")
+
 __all__ = ["AdamW"]

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as _adam
 
 from ..integrations.clip_grad import clip_grad_norm_
-from ..memory.param_group import live_groups
+from ..groups.param_group import live_groups
 from .bf16_states import step_piece, step_pieces
 from .flat_state import FlatState
 from .kernel import NativeStep, _module, native_arithmetic, torch_step

@@ -1,7 +1,7 @@
 """AdamW state as flat tensors beside a parameter group's flat main-weight shard, and the
 per-parameter views torch's optimizer format is made of.
 
-Why flat: a :class:`~mfsdp2.memory.param_group.ParameterGroup`'s optimizer-facing parameters are views
+Why flat: a :class:`~mfsdp2.groups.param_group.ParameterGroup`'s optimizer-facing parameters are views
 of one flat main-weight shard (``main_weight``) and their gradients views of one flat main-grad
 shard (``main_grad``), at the same offsets (``layout.piece(i, rank).shard_offset``). Keeping
 ``exp_avg`` / ``exp_avg_sq`` / ``max_exp_avg_sq`` as flat tensors with the same offsets lets one

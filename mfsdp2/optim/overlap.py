@@ -10,7 +10,7 @@ device computes, on the CPU on a worker thread while the main thread runs autogr
 and the native AdamW kernel release the GIL).
 
 How (see docs/offload.md, *Step in backward*): the optimizer puts a listener on each offloaded
-:class:`~mfsdp2.memory.param_group.ParameterGroup` holding its parameters
+:class:`~mfsdp2.groups.param_group.ParameterGroup` holding its parameters
 (``GradientReduction.grad_listeners``). When a group's reduction lands (``grad_landed``) and it is
 *final* -- issued in a backward with ``is_last_backward`` on, with no other forward pass of the unit
 still awaiting its backward (``hooks.post_backward`` sets ``reduce_final``) -- a job on one worker
@@ -61,8 +61,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..memory import offload
-from ..runtime.profiling import event_log
-from ..memory.weight_watch import _words
+from ..base.profiling import event_log
+from ..groups.weight_watch import as_words
 
 __all__ = ["StepInBackward", "StepInBackwardError"]
 
@@ -281,7 +281,7 @@ class StepInBackward:
             g = rec.group
             bad = None
             if g.main_grad is not rec.main_grad or any(p.grad is not grad for p, grad in rec.grads) \
-                    or not torch.equal(_words(rec.main_grad), _words(rec.digest)):
+                    or not torch.equal(as_words(rec.main_grad), as_words(rec.digest)):
                 bad = ("was modified in place, replaced or cleared after it was used (clip_grad_norm_, "
                        "GradScaler.unscale_, .grad.mul_, .grad = ...)")
             if bad is None:

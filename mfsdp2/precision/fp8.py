@@ -36,11 +36,11 @@ import torch
 
 from . import native
 from .fp8_tiles import GatheredDequantise
-from ..memory.buffer import _leaked_blocks
+from ..memory.buffer import leaked_blocks
 from ..comm.communicator import CommHandle
 
 
-# A mfsdp2.memory.param_group.ParameterGroup; not imported, since that module imports this one (a
+# A mfsdp2.groups.param_group.ParameterGroup; not imported, since that module imports this one (a
 # lower file must not import a higher one).
 Group = Any
 
@@ -54,7 +54,7 @@ MERGE_GATHERS = os.environ.get("MFSDP2_FP8_MERGED_GATHER", "1") != "0"
 
 
 class Float8Gather:
-    """The float8 side of one :class:`~mfsdp2.memory.param_group.ParameterGroup`: the agreed scales, the
+    """The float8 side of one :class:`~mfsdp2.groups.param_group.ParameterGroup`: the agreed scales, the
     quantise of the main shard into the gather's input and the dequantise of the gathered bytes
     into the group's compute-dtype unsharded buffer. The bytes live in an allocator block for
     the gather only (role ``"fp8"``): nothing of them is kept between gathers."""
@@ -194,7 +194,7 @@ class Float8Gather:
         if alloc is not None:
             alloc.leak(key, why)
         else:
-            _leaked_blocks.append(block)
+            leaked_blocks.append(block)
 
 
 def gather_riders(groups: list[Group]) -> dict[int, int]:

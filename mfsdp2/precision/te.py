@@ -14,7 +14,7 @@ placeholder:
   ``overwrite_main_grad = False``;
 * at post-backward, a flagged parameter's ``.grad`` (the placeholder) is dropped, the others'
   gradients are copied in beside it, and the buffer is reduced as usual
-  (:meth:`mfsdp2.memory.param_group.ParameterGroup._pack`). The buffer outlives micro-batches that skip
+  (:meth:`mfsdp2.groups.param_group.ParameterGroup._pack`). The buffer outlives micro-batches that skip
   gradient sync, so fused wgrads accumulate there like ordinary ones.
 
 ``pip install 'mfsdp2[te]'`` installs TransformerEngine; nothing here imports it: the contract is
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..memory.allocator import BucketAllocator
 
-# A mfsdp2.memory.param_group.ParameterGroup; not imported, since that module imports this one (a
+# A mfsdp2.groups.param_group.ParameterGroup; not imported, since that module imports this one (a
 # lower file must not import a higher one).
 Group = Any
 

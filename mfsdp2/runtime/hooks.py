@@ -23,7 +23,7 @@ final backward callback.
 * **post-backward** (backward of :class:`_PostBackward`): reshard, finish the previous unit's
   reduction (one reduction input alive at a time, FSDP2's default; HSDP's all-reduce across
   replicas is a second stage with its own queue), pack gradients, issue the async reduction. Full-gradient strategies
-  (no_shard, ZeRO-1) pack into a shared bucket instead (:mod:`mfsdp2.comm.grad_buckets`), issued when
+  (no_shard, ZeRO-1) pack into a shared bucket instead (:mod:`mfsdp2.groups.grad_buckets`), issued when
   full and finished by the buckets, never by the sliding drain (which would issue every bucket
   after one unit).
 * **final callback** (queued on the autograd engine): reduce what no hook reduced (units whose
@@ -41,16 +41,16 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from .profiling import event_log, trace_range
+from ..base.profiling import event_log, trace_range
 from .schedule import Schedule
-from ..frontend.structures import map_tensors, tensors_in
+from ..base.structures import map_tensors, tensors_in
 from ..precision.te import attach_main_grads
 from .state import FSDPState, RootContext, ShardState, TrainingState, unit_state
 from . import grad_presence, step_guard
 from ..memory.offload import settle_host_reads
-from ..memory.weight_watch import agree_on_gathers
+from ..groups.weight_watch import agree_on_gathers
 from ..precision.fp8 import gather_riders
-from ..frontend import param_adoption
+from . import param_adoption
 
 __all__ = ["pre_forward", "post_forward", "unshard_async", "wait_unshard", "reshard", "lazy_init", "reset"]
 
@@ -145,7 +145,7 @@ def reshard(state: FSDPState, to_group: bool = False) -> None:
 # -- root -------------------------------------------------------------------------------------
 def lazy_init(state: FSDPState) -> None:
     """Make ``state`` the root of every unit in its subtree unless it is already under a root, and
-    prepare each unit's parameters (:func:`mfsdp2.frontend.param_adoption.prepare`)."""
+    prepare each unit's parameters (:func:`mfsdp2.runtime.param_adoption.prepare`)."""
     if state.ctx is not None:
         return
     states = []

@@ -18,13 +18,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..memory.allocator import BucketAllocator
 from ..memory.trace_pool import make_allocator
 from ..comm.communicator import Communicator
-from ..frontend.fsdp2_state import FSDP2StateNames
-from ..comm.gather_buckets import PersistentGathers
-from ..comm.grad_buckets import GradientBuckets
+from .fsdp2_state import FSDP2StateNames
+from ..groups.gather_buckets import PersistentGathers
+from ..groups.grad_buckets import GradientBuckets
 from ..precision.mixed_precision import MixedPrecisionPolicy
 
 if TYPE_CHECKING:
-    from ..memory.param_group import ParameterGroup
+    from ..groups.param_group import ParameterGroup
 
 __all__ = ["ShardState", "TrainingState", "FSDPState", "RootContext", "unit_state"]
 
@@ -47,7 +47,7 @@ class TrainingState(enum.Enum):
 
 class FSDPState(FSDP2StateNames):
     """Everything ``fully_shard`` attached to one module (``fully_shard.state(module)``; FSDP2's
-    private names for it come from :class:`~mfsdp2.frontend.fsdp2_state.FSDP2StateNames`)."""
+    private names for it come from :class:`~mfsdp2.runtime.fsdp2_state.FSDP2StateNames`)."""
 
     def __init__(
         self,
@@ -96,7 +96,7 @@ class FSDPState(FSDP2StateNames):
         self.unshard_in_backward = True  # False: backward needs none of the weights (set_unshard_in_backward)
         # Reduction inputs alive at once, this unit's included (set_reduce_scatter_max_input_buffers).
         self.max_reduce_in_flight = 1
-        # Some group holds pending parameter values (mfsdp2.frontend.param_adoption): settled or refused
+        # Some group holds pending parameter values (mfsdp2.runtime.param_adoption): settled or refused
         # before the next gather.
         self.unsettled = False
         # set_reduce_scatter_unused_params(True): agree on gradient presence (mfsdp2.runtime.grad_presence)

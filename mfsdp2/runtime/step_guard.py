@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..frontend.shared_params import _OWNER, _original
+from .shared_params import OWNER_ATTR, original_of
 from .state import RootContext, ShardState
 
 __all__ = [
@@ -80,11 +80,11 @@ def _check_replaced(optimizer) -> None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            owner = getattr(p, _OWNER, None)
+            owner = getattr(p, OWNER_ATTR, None)
             if owner is None:
                 continue
             state, g = owner
-            names = [g.infos[i][0].fqn for i, dp in enumerate(g.dist_params) if _original(dp) is p]
+            names = [g.infos[i][0].fqn for i, dp in enumerate(g.dist_params) if original_of(dp) is p]
             name = names[0] if names else f"of shape {tuple(p.shape)}"
             raise StaleParameterError(
                 f"mfsdp2: {type(optimizer).__name__} holds parameter {name!r} of unit {state.name!r} as it "

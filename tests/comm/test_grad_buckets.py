@@ -1,6 +1,6 @@
 """Bucketed gradient all-reduce of the full-gradient strategies (no_shard, ZeRO-1) and of the
 sharded-gradient ones (ZeRO-2, ZeRO-3) whose small units' reduce-scatter is a gloo all-reduce
-anyway (see mfsdp2/comm/grad_buckets.py).
+anyway (see mfsdp2/groups/grad_buckets.py).
 
 * Parity in float64 against the unsharded model (REL_F64, see tests/models.py), with buckets that
   span every unit (DDP's 25 MiB), two units, and one group each (a 1-byte cap): training steps,
@@ -23,7 +23,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp2 import fully_shard
-from mfsdp2.comm.grad_buckets import BucketMemberHandle, GradientBuckets, _plan
+from mfsdp2.groups.grad_buckets import BucketMemberHandle, GradientBuckets, _plan
 from mfsdp2.memory.allocator import CachingAllocator
 
 from .._dist import run_ranks

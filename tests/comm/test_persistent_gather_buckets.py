@@ -1,5 +1,5 @@
 """Persistent-weight all-gathers bucketed across units (ZeRO-1 ``optim``, ZeRO-2 ``optim_grads``;
-mfsdp2/comm/gather_buckets.py).
+mfsdp2/groups/gather_buckets.py).
 
 * Parity in float64 against the unsharded single-process model (REL_F64, see tests/models.py),
   world sizes 2 and 4 and an HSDP (2, 2) mesh, on a model of many small units and one unit above
@@ -425,7 +425,7 @@ def test_batched_fingerprints_equal_the_per_tensor_ones():
     ``fingerprint`` one tensor at a time (what the next root forward compares against): sizes
     around the 1024-word rows and tails, words whose weighted sums wrap modulo 2^32, dtypes whose
     bytes are not int32 words (the per-tensor fallback), and views at offsets of one buffer."""
-    from mfsdp2.memory.weight_watch import fingerprint, fingerprints
+    from mfsdp2.groups.weight_watch import fingerprint, fingerprints
 
     g = torch.Generator().manual_seed(0)
     sizes = [1, 7, 1023, 1024, 1025, 2080, 3 * 1024 + 5, 70000]
@@ -448,7 +448,7 @@ def test_batched_fingerprints_need_no_device_data_on_the_host():
     counts reach the device as ``device_ints`` makes them: on CUDA a non-blocking copy from
     page-locked memory, elsewhere the same int64 values."""
     from mfsdp2.comm.communicator import device_ints
-    from mfsdp2.memory.weight_watch import fingerprints
+    from mfsdp2.groups.weight_watch import fingerprints
 
     ts = [torch.empty(n, device="meta") for n in (7, 1024, 3000, 5000)]
     got = fingerprints(ts)

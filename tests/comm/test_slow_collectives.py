@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from mfsdp2 import FSDPModule, MixedPrecisionPolicy, fully_shard
-from mfsdp2.runtime.profiling import event_log
+from mfsdp2.base.profiling import event_log
 
 from .._dist import run_ranks
 from .._slow_collectives import SlowCollectives

@@ -19,7 +19,7 @@ import mfsdp2
 from mfsdp2.memory.allocator import CachingAllocator
 from mfsdp2.estimate import MemoryEstimate, estimate_memory
 from mfsdp2.estimate.__main__ import LLAMA3, main as cli_main
-from mfsdp2.examples.llama import LlamaConfig, Transformer, TransformerBlock
+from mfsdp2.models.llama import LlamaConfig, Transformer, TransformerBlock
 
 from .._dist import run_ranks
 

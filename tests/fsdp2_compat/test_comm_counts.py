@@ -13,7 +13,7 @@ all-reduce per step only where ``set_reduce_scatter_unused_params(True)`` asks f
 (tests/runtime/test_grad_presence.py counts both).
 
 One documented difference: on gloo a small unit's reduce-scatter is an all-reduce of its whole
-flat gradient, so such units share bucketed all-reduces (``mfsdp2.comm.grad_buckets``, 25 MiB like
+flat gradient, so such units share bucketed all-reduces (``mfsdp2.groups.grad_buckets``, 25 MiB like
 DDP's). FSDP2's contract is checked with the buckets off (``set_all_reduce_bucket_cap_mb(0)``),
 and the bucketed counts beside it: the same all-gathers, no reduce-scatter, one all-reduce for all
 of this small model's units.

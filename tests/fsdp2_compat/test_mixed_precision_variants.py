@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp2.integrations import compat
 from mfsdp2.comm.communicator import Communicator
-from mfsdp2.comm.grad_buckets import GradientBuckets
+from mfsdp2.groups.grad_buckets import GradientBuckets
 
 from . import assert_same_snapshots, mean_loss, runtimes, snapshot
 from .._dist import run_ranks

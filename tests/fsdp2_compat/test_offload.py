@@ -155,7 +155,7 @@ def _accumulate_vs_fsdp2(rank, ws, mesh):
 
 def _bucketed_accumulation(rank, ws, mesh):
     """no_shard / ZeRO-1 with offload, two synced backwards per step: both reductions go
-    through the shared all-reduce buckets (mfsdp2/comm/grad_buckets.py), the first copied out of its
+    through the shared all-reduce buckets (mfsdp2/groups/grad_buckets.py), the first copied out of its
     bucket slice into the host main grad, the second added to it."""
     out = {}
     for strategy in ("optim", "no_shard"):

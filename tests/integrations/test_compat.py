@@ -1,4 +1,4 @@
-"""Older torch (``mfsdp2/integrations/compat.py``): training parity without ``_swap_data_ptr_`` and without
+"""Older torch (``mfsdp2/base/compat.py``): training parity without ``_swap_data_ptr_`` and without
 ``dist.all_gather_single`` / ``reduce_scatter_single``, simulated on the installed torch.
 
 Inside each spawned rank the two collectives are deleted from ``torch.distributed``, the storage
@@ -35,12 +35,12 @@ def _as_older_torch() -> dict:
     torch.UntypedStorage._swap_data_ptr_ = no_swap
     os.environ["MFSDP2_NO_STORAGE_SWAP"] = "1"
     os.environ["MFSDP2_GLOO_P2P_REDUCE_SCATTER"] = "0"
-    import mfsdp2.integrations.compat
+    import mfsdp2.base.compat
 
-    importlib.reload(mfsdp2.integrations.compat)  # re-reads the environment, in place (buffer.py holds the module)
-    assert not mfsdp2.integrations.compat.HAS_STORAGE_SWAP
-    assert mfsdp2.integrations.compat.all_gather_name() == "all_gather_into_tensor"
-    assert mfsdp2.integrations.compat.reduce_scatter_name() == "reduce_scatter_tensor"
+    importlib.reload(mfsdp2.base.compat)  # re-reads the environment, in place (buffer.py holds the module)
+    assert not mfsdp2.base.compat.HAS_STORAGE_SWAP
+    assert mfsdp2.base.compat.all_gather_name() == "all_gather_into_tensor"
+    assert mfsdp2.base.compat.reduce_scatter_name() == "reduce_scatter_tensor"
 
     calls = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "served": set()}
     from mfsdp2.memory.allocator import BucketAllocator

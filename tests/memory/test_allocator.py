@@ -311,7 +311,7 @@ def _steady(rank, ws, alloc_name, model_kind, fresh_bytes=None):
     if model_kind == "llama":
         import torch.nn.functional as F
 
-        from mfsdp2.examples.llama import LlamaConfig, SyntheticTokens, Transformer, rank_slice
+        from mfsdp2.models.llama import LlamaConfig, SyntheticTokens, Transformer, rank_slice
 
         cfg = dataclasses.replace(LlamaConfig.tiny(), n_layers=6)
         torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Memory only backward uses is held only while it is used, and what is free goes back to torch.
 
-Mechanisms (``mfsdp2/memory/allocator.py`` "What is held when", ``mfsdp2/memory/grad_views.py``):
+Mechanisms (``mfsdp2/memory/allocator.py`` "What is held when", ``mfsdp2/groups/grad_views.py``):
 
 * main gradients (and all-reduce buckets whose slices are main gradients) go back to torch when
   released at the next forward -- not into a cache of mfsdp2's, where the forward's activations

@@ -201,7 +201,7 @@ def test_wrapping_helpers_never_move_the_local_tensor(one_rank_group, monkeypatc
     from mfsdp2.checkpoint._common import relabel_rows
     from mfsdp2.dtensors.dtensor_ops import _stand_in
     from mfsdp2.dtensors.placement import RowShard, communicable, data_parallel_dtensor, wrap_local
-    from mfsdp2.integrations.tensor_parallel import TPSpec, tp_dtensor
+    from mfsdp2.dtensors.tensor_parallel import TPSpec, tp_dtensor
 
     mesh = DeviceMesh.from_group(one_rank_group, "meta")
     local = torch.arange(6.0).view(3, 2)

@@ -27,7 +27,7 @@ def _groups(model):
 
 
 def _llama(rank, ws, fp8: bool):
-    from mfsdp2.examples.llama import LlamaConfig, SyntheticTokens, Transformer, rank_slice
+    from mfsdp2.models.llama import LlamaConfig, SyntheticTokens, Transformer, rank_slice
 
     cfg = LlamaConfig.tiny()
     torch.manual_seed(0)
@@ -76,7 +76,7 @@ def _qdq(name: str, w: torch.Tensor) -> torch.Tensor:
 
 def _llama_reference_args(fp8: bool) -> dict:
     """``_llama`` for :func:`same_cast_reference`: model, data, loss, optimizer, weight casts."""
-    from mfsdp2.examples.llama import LlamaConfig, SyntheticTokens, Transformer
+    from mfsdp2.models.llama import LlamaConfig, SyntheticTokens, Transformer
 
     cfg = LlamaConfig.tiny()
     data = SyntheticTokens(cfg.vocab_size, seed=7)

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mfsdp2 import FSDPModule, MixedPrecisionPolicy, UnshardHandle, fully_shard
 from mfsdp2.comm.communicator import comm_stats
-from mfsdp2.runtime.profiling import event_log
+from mfsdp2.base.profiling import event_log
 
 from .._dist import run_ranks
 from ..models import F64, REL_F64, Block, Net, assert_close_rel, assert_losses_close, batch, loss_fn, make_opt

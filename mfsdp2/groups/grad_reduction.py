@@ -1,4 +1,4 @@
-"""The gradient-reduction path of a :class:`~mfsdp2.memory.param_group.ParameterGroup`: pack the
+"""The gradient-reduction path of a :class:`~mfsdp2.groups.param_group.ParameterGroup`: pack the
 unsharded gradients into one flat buffer, issue its reduction (reduce-scatter over the shard
 group -- ZeRO-1's too, into its rows of the full-size main gradient -- or all-reduce for no_shard;
 HSDP's all-reduce across replicas as a second stage), accumulate the result into the main gradient and expose it as the DTensor
@@ -6,10 +6,10 @@ parameters' ``.grad``.
 
 Why a file of its own: this is the half of a group that runs in backward and owns the reduction
 buffers' lifetimes (see "Buffer lifetime rule" in docs/design.md); the other half (layout, main
-and model weights, gathers) is :mod:`mfsdp2.memory.param_group`. ``GradientReduction`` is a mixin over
+and model weights, gathers) is :mod:`mfsdp2.groups.param_group`. ``GradientReduction`` is a mixin over
 the group's state (``layout``, ``weights``, ``comm``, ``dist_params``, ``unsharded_params``,
 ``main_grad`` ...), all set up by ``ParameterGroup.__init__``; the main gradient's lifetime and
-``.grad`` are its base :class:`~mfsdp2.comm.main_grad.MainGradient` (:mod:`mfsdp2.comm.main_grad`).
+``.grad`` are its base :class:`~mfsdp2.groups.main_grad.MainGradient` (:mod:`mfsdp2.groups.main_grad`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from ..memory.allocator import BucketAllocator
-from .communicator import CommHandle, comm_stats
+from ..comm.communicator import CommHandle, comm_stats
 from .grad_buckets import BucketMemberHandle, GradientBuckets
 from .main_grad import MainGradient
 from ..precision.te import detach_main_grads
-from ..integrations.tensor_parallel import local_grad
+from ..dtensors.tensor_parallel import local_grad
 from ..dtensors.shard_dim import storage_flat
 
 __all__ = ["GradientReduction"]
@@ -47,9 +47,9 @@ class _PendingReduce:
 
 
 class GradientReduction(MainGradient):
-    """Backward half of a parameter group (mixed into :class:`~mfsdp2.memory.param_group.ParameterGroup`):
+    """Backward half of a parameter group (mixed into :class:`~mfsdp2.groups.param_group.ParameterGroup`):
     packing, issuing and finishing the reductions; the main gradient they accumulate into and its
-    exposure as ``.grad`` are :class:`~mfsdp2.comm.main_grad.MainGradient`'s."""
+    exposure as ``.grad`` are :class:`~mfsdp2.groups.main_grad.MainGradient`'s."""
 
     # CPU offload on CUDA: the event after the latest non-blocking copy into the main gradient.
     _copy_out_event = None
@@ -174,7 +174,7 @@ class GradientReduction(MainGradient):
 
     def _bucket_comm(self):
         """The communicator of the one all-reduce that reduces this group when that all-reduce may
-        share a bucket with other groups' (:mod:`mfsdp2.comm.grad_buckets`): full-gradient strategies
+        share a bucket with other groups' (:mod:`mfsdp2.groups.grad_buckets`): full-gradient strategies
         with a single stage -- ZeRO-1 over its shard group, no_shard over the replicas -- and
         sharded-gradient groups whose reduce-scatter is an all-reduce of the whole flat gradient
         anyway (gloo, small groups, two ranks: ``Communicator.reduce_scatter_is_all_reduce``; 64
@@ -218,7 +218,7 @@ class GradientReduction(MainGradient):
         Sharded-gradient strategies and ZeRO-1 reduce-scatter over the shard group; no_shard
         all-reduces; HSDP then all-reduces across replicas in :meth:`finish_reduce`.
 
-        With ``buckets`` (the root's :class:`~mfsdp2.comm.grad_buckets.GradientBuckets`, enabled) a
+        With ``buckets`` (the root's :class:`~mfsdp2.groups.grad_buckets.GradientBuckets`, enabled) a
         single-stage all-reduce packs into a slice of a shared bucket instead, issued with the
         bucket's other members; returns True then (the caller leaves its completion to the
         buckets), False when the group issued a collective of its own."""

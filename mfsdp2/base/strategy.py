@@ -15,7 +15,7 @@ size; the optimizer's states always follow the parameters it is handed):
 
 When the main and model dtypes match, the main weights *are* this rank's slice of the model
 weights (no second copy). Strategies that keep full model weights gather them once per optimizer
-step or other change of the weights (see :mod:`mfsdp2.memory.weight_watch`: step hook, version counters,
+step or other change of the weights (see :mod:`mfsdp2.groups.weight_watch`: step hook, version counters,
 content fingerprint; the ranks agree with one small all-reduce per forward, read on the host)
 instead of once per forward and once per backward.
 no_shard all-reduces its gradients (as DDP does); the others reduce-scatter -- ZeRO-1 too, into

@@ -40,7 +40,7 @@ _hook_handle = None
 _COLS = 1024
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
+def as_words(t: torch.Tensor) -> torch.Tensor:
     """The bits of ``t`` as a flat integer tensor (int32 where the bytes allow, else narrower)."""
     flat = t.detach().reshape(-1)
     for dtype in (torch.int32, torch.int16, torch.uint8):
@@ -67,7 +67,7 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     words of one mlp unit, measured), and persistent strategies pay it at every gather: it made
     ``no_shard`` slower than DDP. Three reduction passes over the words, no host read: the
     comparison with the previous fingerprint stays on the device until the agreement all-reduce."""
-    words = _words(t)
+    words = as_words(t)
     n = words.numel()
     rows = n // _COLS
     main = words[: rows * _COLS].view(rows, _COLS)
@@ -100,7 +100,7 @@ def fingerprints(ts: list) -> list:
     page-locked memory without waiting (:func:`~mfsdp2.comm.communicator.device_ints`), and ``repeat_interleave`` is told
     its output size (without it, it reads the counts' sum back to size its output). So the
     computation needs no device data on the host: it runs on the meta device as well."""
-    words = [_words(t) for t in ts]
+    words = [as_words(t) for t in ts]
     if len(ts) < 2 or any(w.dtype != torch.int32 for w in words) or len({w.device for w in words}) > 1:
         return [fingerprint(t) for t in ts]
     device = words[0].device
@@ -124,7 +124,7 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 def watch(group) -> None:
-    """Register a :class:`~mfsdp2.memory.param_group.ParameterGroup` for the optimizer-step signal; the
+    """Register a :class:`~mfsdp2.groups.param_group.ParameterGroup` for the optimizer-step signal; the
     hook is installed once per process and holds the groups weakly."""
     global _hook_handle
     _groups.add(group)

@@ -1,17 +1,17 @@
 """The main gradient of a parameter group: where its reductions accumulate, how long it lives, and
 how it reaches the optimizer as the DTensor parameters' ``.grad``.
 
-Why a file of its own: the reduction (:mod:`mfsdp2.comm.grad_reduction`) decides *when* a result
+Why a file of its own: the reduction (:mod:`mfsdp2.groups.grad_reduction`) decides *when* a result
 arrives; this is *where* it goes. The main gradient (``main_grad``; ``main_grad_full`` for the
 full-gradient strategies, whose ``main_grad`` is its slice) lives from the first reduction after a
 ``zero_grad(set_to_none=True)`` until the next forward that finds every ``.grad`` cleared, in the
 allocator's memory, a shared bucket's slice, or (CPU offload) host memory the group keeps. Each
 reduced result is added into it (restarting at zero the parameters whose ``.grad`` the user
 cleared, folding in a gradient the user assigned), and every flagged parameter's ``.grad`` is a
-view of its rows (:mod:`mfsdp2.memory.grad_views` keeps those DTensors across steps).
+view of its rows (:mod:`mfsdp2.groups.grad_views` keeps those DTensors across steps).
 
 ``MainGradient`` is a mixin over the group's state set up by ``ParameterGroup.__init__``, and the
-base of :class:`~mfsdp2.comm.grad_reduction.GradientReduction`.
+base of :class:`~mfsdp2.groups.grad_reduction.GradientReduction`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ _GRAD_VIEW = "_mfsdp2_main_grad_view"
 
 class MainGradient:
     """The main gradient's lifetime, accumulation and exposure as ``.grad`` (mixed into
-    :class:`~mfsdp2.memory.param_group.ParameterGroup` through
-    :class:`~mfsdp2.comm.grad_reduction.GradientReduction`)."""
+    :class:`~mfsdp2.groups.param_group.ParameterGroup` through
+    :class:`~mfsdp2.groups.grad_reduction.GradientReduction`)."""
 
     # CPU offload on CUDA: the event after the latest non-blocking copy into the main gradient.
     _copy_out_event = None

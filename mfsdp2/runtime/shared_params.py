@@ -18,19 +18,16 @@ error says which units and how to wrap instead.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate
 
-if TYPE_CHECKING:
-    from ..memory.param_group import ParamInfo, ParameterGroup
-    from ..runtime.state import FSDPState
+from ..groups.param_group import ParamInfo, ParameterGroup, mark_empty_pieces
+from .state import FSDPState
 
 __all__ = ["mark_owned", "adopt_shared"]
 
-_OWNER = "_mfsdp2_owned_by"  # attribute on the user's original Parameter: (state, group)
+OWNER_ATTR = "_mfsdp2_owned_by"  # attribute on the user's original Parameter: (state, group)
 
 
 def mark_owned(state: "FSDPState", originals: list[list[nn.Parameter]]) -> None:
@@ -38,7 +35,7 @@ def mark_owned(state: "FSDPState", originals: list[list[nn.Parameter]]) -> None:
     DTensor parameter, weakly, its original)."""
     for g, params in zip(state.groups, originals):
         for p, dp in zip(params, g.dist_params):
-            setattr(p, _OWNER, (state, g))
+            setattr(p, OWNER_ATTR, (state, g))
             dp._mfsdp2_original = weakref.ref(p)
 
 
@@ -49,7 +46,7 @@ def _path_in(parent: nn.Module, child: nn.Module):
     return None
 
 
-def _original(dp):
+def original_of(dp):
     ref = getattr(dp, "_mfsdp2_original", None)  # a weakref: never keeps a full-size original alive
     return ref() if ref is not None else None
 
@@ -57,10 +54,8 @@ def _original(dp):
 def adopt_shared(module: nn.Module, infos: list[list["ParamInfo"]], params: list[nn.Parameter]) -> None:
     """Take over, from already wrapped units inside ``module``, the parameters that ``module``'s own
     submodules use too (``infos[i]`` gains the owners inside the child unit)."""
-    from ..memory.param_group import ParamInfo
-
     for i, p in enumerate(params):
-        owner = getattr(p, _OWNER, None)
+        owner = getattr(p, OWNER_ATTR, None)
         if owner is None:
             continue
         state, g = owner
@@ -72,7 +67,7 @@ def adopt_shared(module: nn.Module, infos: list[list["ParamInfo"]], params: list
                 "belongs to the lowest common ancestor of its users: leave all but one of those modules "
                 "unwrapped (e.g. fully_shard the decoder layers and the root, not the embedding and the head)"
             )
-        idx = next(j for j, dp in enumerate(g.dist_params) if _original(dp) is p)
+        idx = next(j for j, dp in enumerate(g.dist_params) if original_of(dp) is p)
         infos[i] = infos[i] + [ParamInfo(o.owner, o.attr, f"{path}.{o.fqn}" if path else o.fqn) for o in g.infos[idx]]
         _rebuild_without(state, g, idx)
 
@@ -80,9 +75,6 @@ def adopt_shared(module: nn.Module, infos: list[list["ParamInfo"]], params: list
 def _rebuild_without(state: "FSDPState", g: "ParameterGroup", idx: int) -> None:
     """Replace ``g`` in ``state.groups`` by a group of the same parameters minus ``idx`` (or drop it).
     Collective: every rank gathers the values that stay (all ranks run fully_shard together)."""
-    from ..checkpoint.model import mark_empty_pieces
-    from ..memory.param_group import ParameterGroup
-
     keep = [j for j in range(len(g.infos)) if j != idx]
     gi = state.groups.index(g)
     if not keep:
@@ -114,9 +106,9 @@ def _rebuild_without(state: "FSDPState", g: "ParameterGroup", idx: int) -> None:
     )
     for j, dp in zip(keep, new.dist_params):
         dp._mfsdp2_original = getattr(g.dist_params[j], "_mfsdp2_original", None)
-        orig = _original(dp)
+        orig = original_of(dp)
         if orig is not None:
-            setattr(orig, _OWNER, (state, new))
+            setattr(orig, OWNER_ATTR, (state, new))
     new.register(unsharded=False, check=False)
     state.groups[gi] = new
     mark_empty_pieces(new)

@@ -1,4 +1,4 @@
-"""Whether a :class:`~mfsdp2.memory.param_group.ParameterGroup`'s gathered weights are stale: what
+"""Whether a :class:`~mfsdp2.groups.param_group.ParameterGroup`'s gathered weights are stale: what
 its host knows of writes to the main weights since the last gather, and what every gather
 records.
 
@@ -7,7 +7,7 @@ change; ZeRO-3 gathers every time but must still re-cast. Host facts answer firs
 optimizer step or an announced write (``changed``, the same on every rank) and a moved version
 counter -- and, for persistent groups, a fingerprint of the main shard's content catches writes
 through ``.data`` that bump no counter. The ranks agree on the answer at the root's forward
-(:func:`mfsdp2.memory.weight_watch.agree_on_gathers`), so every rank issues the same gathers.
+(:func:`mfsdp2.groups.weight_watch.agree_on_gathers`), so every rank issues the same gathers.
 
 ``WeightChanges`` is a mixin over the group's state set up by ``ParameterGroup.__init__``.
 """
@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .offload import copy_from_main
+from ..memory.offload import copy_from_main
 from .weight_watch import fingerprint
 
 __all__ = ["WeightChanges"]
@@ -26,7 +26,7 @@ __all__ = ["WeightChanges"]
 
 class WeightChanges:
     """Change detection of a group's main weights and the bookkeeping of each gather (mixed into
-    :class:`~mfsdp2.memory.param_group.ParameterGroup`)."""
+    :class:`~mfsdp2.groups.param_group.ParameterGroup`)."""
 
     def main_version(self) -> int:
         """Grows whenever anything writes the main weights in place (optimizer, loading)."""

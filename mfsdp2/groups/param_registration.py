@@ -1,4 +1,4 @@
-"""The parameters of a :class:`~mfsdp2.memory.param_group.ParameterGroup` as the modules and the
+"""The parameters of a :class:`~mfsdp2.groups.param_group.ParameterGroup` as the modules and the
 optimizer see them, and the checks that keep them the group's.
 
 A group makes two ``nn.Parameter`` objects per original parameter: the optimizer-facing DTensor
@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..dtensors.placement import RowShard, data_parallel_dtensor, wrap_local
-from ..integrations.tensor_parallel import tp_dp_mesh, tp_dtensor
+from ..dtensors.tensor_parallel import tp_dp_mesh, tp_dtensor
 from .grad_views import GradViews
 
 __all__ = ["ParameterRegistration"]
@@ -54,7 +54,7 @@ class _HookForwarder:
 
 class ParameterRegistration:
     """The optimizer-facing and the unsharded parameters of a group, and which of them the modules
-    hold (mixed into :class:`~mfsdp2.memory.param_group.ParameterGroup`)."""
+    hold (mixed into :class:`~mfsdp2.groups.param_group.ParameterGroup`)."""
 
     def _make_params(self, params: list[nn.Parameter]) -> None:
         views = self.weights.param_views()
@@ -76,7 +76,7 @@ class ParameterRegistration:
 
     def as_dtensor(self, local: torch.Tensor, index: int, shape) -> torch.Tensor:
         """This rank's rows of parameter ``index`` as the optimizer-facing DTensor (``shape``:
-        global; a TP parameter's lives on the (tp, dp) mesh, see :mod:`mfsdp2.integrations.tensor_parallel`)."""
+        global; a TP parameter's lives on the (tp, dp) mesh, see :mod:`mfsdp2.dtensors.tensor_parallel`)."""
         placement = self._row_shards.get(index)
         if placement is None:  # one per parameter: its rows never change (O(world size) to build)
             slot = self.layout.slots[index]

@@ -18,12 +18,12 @@ that holds no rows of a parameter still gives it a gradient (an empty local tens
 does: code that walks the gradients (``clip_grad_norm_`` reduces a norm per DTensor grad, loss
 scalers, ``p.grad.to_local()`` loops) must see the same parameters on every rank.
 
-Strategies (:mod:`mfsdp2.frontend.strategy`): with ``no_shard`` / ``optim`` / ``optim_grads`` the model
+Strategies (:mod:`mfsdp2.base.strategy`): with ``no_shard`` / ``optim`` / ``optim_grads`` the model
 weights are a *persistent* buffer (gathered once per optimizer step; the main weights are its local
 slice when the dtypes match), and with ``no_shard`` / ``optim`` the main gradient is full-size
 and reduced by all-reduce. HSDP adds an all-reduce of the shard-group result across replicas.
 
-Change detection (:mod:`mfsdp2.memory.weight_watch`): persistent weights are re-cast and re-gathered
+Change detection (:mod:`mfsdp2.groups.weight_watch`): persistent weights are re-cast and re-gathered
 when the main weights changed -- an optimizer step (a process-wide step hook), an announced write
 (``mark_weights_changed``, ``load_state_dict``), a moved version counter, or a different content
 fingerprint of the main shard, which catches writes through ``.data`` that bump no counter. The
@@ -42,25 +42,25 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .allocator import BucketAllocator
-from .buffer import DataParallelBuffer
+from ..memory.allocator import BucketAllocator
+from ..memory.buffer import DataParallelBuffer
 from ..comm.communicator import CommHandle, Communicator
 from ..precision.fp8 import Float8Gather
-from ..comm.grad_reduction import GradientReduction, _PendingReduce
+from .grad_reduction import GradientReduction, _PendingReduce
 from .grad_views import GradViews
-from .layout import BufferLayout, plan_layout
+from ..memory.layout import BufferLayout, plan_layout
 from ..precision.mixed_precision import MixedPrecisionPolicy
-from .offload import MainMemory
+from ..memory.offload import MainMemory
 from .param_registration import ParameterRegistration
-from ..dtensors.placement import RowShard
+from ..dtensors.placement import RowShard, mark_write_nothing
 from ..dtensors.shard_dim import rows_along
-from ..frontend.strategy import ShardingStrategy
+from ..base.strategy import ShardingStrategy
 from .weight_changes import WeightChanges
 from .weight_watch import watch
 from ..precision.te import fuses_wgrad  # TE's attribute protocol; TE itself is never imported
-from ..integrations.tensor_parallel import TPSpec, tp_dtensor
+from ..dtensors.tensor_parallel import TPSpec, tp_dtensor
 
-__all__ = ["ParamInfo", "GroupConfig", "ParameterGroup", "swap_param"]
+__all__ = ["ParamInfo", "GroupConfig", "ParameterGroup", "swap_param", "mark_empty_pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,13 @@ def swap_param(old: nn.Parameter, new: nn.Parameter) -> None:
     torch.utils.swap_tensors(old, new)
     old.__dict__.clear()
     old.__dict__.update(attrs)
+
+
+def mark_empty_pieces(g: "ParameterGroup") -> None:
+    """Empty pieces of the parameters themselves write nothing either (state_dict(keep_vars=True))."""
+    for i, dp in enumerate(g.dist_params):
+        if g.layout.piece(i, g.rank).numel == 0 and dp.numel() > 0:
+            mark_write_nothing(dp)
 
 
 class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
@@ -172,7 +179,7 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         self._build_buffers(torch.device("meta") if self.needs_init else device)
         # Parameters whose object holds a value of its own, not yet in these buffers (a conversion
         # of part of the unit, a parameter replaced before the first forward), each with the
-        # original dtype it asks the group for: mfsdp2.frontend.param_adoption.
+        # original dtype it asks the group for: mfsdp2.runtime.param_adoption.
         self.pending: dict[int, torch.dtype] = {}
         # Persistent weights: the ranks' agreed answer to "did the weights change on any rank since
         # the last gather" (set at the root's forward, see weight_watch.agree_on_gathers).
@@ -181,7 +188,7 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         self.changed = True
         self._gathered_fp: Optional[torch.Tensor] = None  # fingerprint of the main shard at the last gather
         # Persistent weights planned into a cross-unit gather bucket at the root's forward
-        # (mfsdp2.comm.gather_buckets): the handle that delivers this group's rows; counts as stale.
+        # (mfsdp2.groups.gather_buckets): the handle that delivers this group's rows; counts as stale.
         self.pending_gather = None
         # Persistent weights: compare the main shard's content at each root forward (sees writes
         # through ``.data``; costs one host read per forward). Off: host signals only, agreed on

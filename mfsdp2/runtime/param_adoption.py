@@ -1,6 +1,6 @@
 """Values that reach a unit's parameters outside its flat shards, and how its groups take them in.
 
-Why: a :class:`~mfsdp2.memory.param_group.ParameterGroup` keeps one flat main-weight shard for all its
+Why: a :class:`~mfsdp2.groups.param_group.ParameterGroup` keeps one flat main-weight shard for all its
 parameters, but torch changes parameters one module -- or one parameter -- at a time:
 
 * ``nn.Module._apply`` (``to_empty``, ``.to(dtype)``, ``.half()``) visits modules one by one. A
@@ -41,7 +41,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..memory.param_group import ParameterGroup, live_groups, swap_param
+from ..groups.param_group import ParameterGroup, live_groups, mark_empty_pieces, swap_param
+from .shared_params import OWNER_ATTR, original_of
 
 __all__ = [
     "stage", "adopt_replaced", "settle", "settle_all", "prepare", "rebuilt", "put_grads", "asked_dtype", "probe_dtype",
@@ -312,8 +313,6 @@ def settle(state, g: ParameterGroup) -> ParameterGroup:
         target.needs_init = False
         target.mark_changed()
         put_grads(target, grads, alloc)
-    from ..checkpoint.model import mark_empty_pieces
-
     mark_empty_pieces(target)
     logger.debug("mfsdp2: %s took %d pending parameter values (%s%s)", target.name, len(idx), dtype,
                  ", meta" if meta else "")
@@ -364,8 +363,6 @@ def rebuilt(state, g: ParameterGroup, dtype: torch.dtype) -> ParameterGroup:
     """A new group like ``g`` for parameters of ``dtype``, on ``g``'s layout, whose DTensor
     parameter objects are ``g``'s (contents swapped in, identity and user attributes kept). Its
     buffers are on the meta device until :meth:`ParameterGroup.allocate`."""
-    from .shared_params import _OWNER, _original
-
     shapes = [g.layout.slots[i].shape for i in range(len(g.dist_params))]
     metas = [nn.Parameter(torch.empty(s, dtype=dtype, device="meta"), requires_grad=g.requires_grad) for s in shapes]
     new = ParameterGroup(
@@ -376,7 +373,7 @@ def rebuilt(state, g: ParameterGroup, dtype: torch.dtype) -> ParameterGroup:
     for i, (old_dp, new_dp) in enumerate(zip(g.dist_params, new.dist_params)):
         swap_param(old_dp, new_dp)  # drops old_dp.grad: grads are moved after
         new.dist_params[i] = old_dp
-        orig = _original(old_dp)
-        if orig is not None and getattr(orig, _OWNER, None) is not None:
-            setattr(orig, _OWNER, (state, new))  # a parent unit taking a tie finds the new group
+        orig = original_of(old_dp)
+        if orig is not None and getattr(orig, OWNER_ATTR, None) is not None:
+            setattr(orig, OWNER_ATTR, (state, new))  # a parent unit taking a tie finds the new group
     return new

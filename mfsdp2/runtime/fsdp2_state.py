@@ -23,7 +23,7 @@ FSDP2 name                              mfsdp2's answer
 ======================================  ===========================================================
 
 A *group view* is the unit's parameters as one FSDP2 parameter group, whatever number of
-mfsdp2 :class:`~mfsdp2.memory.param_group.ParameterGroup` s (one per dtype / ``requires_grad``) hold
+mfsdp2 :class:`~mfsdp2.groups.param_group.ParameterGroup` s (one per dtype / ``requires_grad``) hold
 them: FSDP2 keeps one group per unit, so code reading ``_fsdp_param_group`` would otherwise meet
 several where FSDP2 has one. It has ``fsdp_params`` (per parameter: ``sharded_param`` -- the
 optimizer-facing DTensor parameter object itself --, ``_param_fqn`` from the root, ``_orig_size``,

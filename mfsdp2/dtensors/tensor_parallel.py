@@ -28,7 +28,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..dtensors.placement import contiguous_stride, wrap_local
+from .placement import contiguous_stride, wrap_local
 
 __all__ = ["TPSpec", "tp_spec_of", "tp_dp_mesh", "tp_dtensor", "local_grad"]
 

@@ -9,7 +9,7 @@ ZeRO-1's forward took 56 ms where torch DDP's takes 1 ms. Here the stale small g
 overlaps the later buckets.
 
 The plan is made at every root forward, after the ranks agreed which persistent groups are stale
-(:func:`mfsdp2.memory.weight_watch.agree_on_gathers`), from facts every rank shares: the schedule's
+(:func:`mfsdp2.groups.weight_watch.agree_on_gathers`), from facts every rank shares: the schedule's
 recorded forward order (every rank runs the same units in the same order), the agreed stale
 flags, the groups' sizes and the bucket cap. Eligible: persistent, not FP8, a shard group of more
 than one rank, stale, and smaller than both the cap and :data:`SMALL_GATHER_BYTES` (1 MiB: a
@@ -44,9 +44,9 @@ from typing import Any, Optional
 import torch
 
 from ..memory.allocator import BucketAllocator
-from .communicator import CommHandle
-from ..runtime.profiling import trace_range
-from ..memory.weight_watch import fingerprints
+from ..comm.communicator import CommHandle
+from ..base.profiling import trace_range
+from .weight_watch import fingerprints
 
 __all__ = ["PersistentGathers", "MemberGather"]
 

@@ -44,8 +44,8 @@ from typing import Any, Optional
 import torch
 
 from ..memory.allocator import BucketAllocator
-from .communicator import CommHandle, comm_stats
-from ..runtime.profiling import trace_range
+from ..comm.communicator import CommHandle, comm_stats
+from ..base.profiling import trace_range
 
 __all__ = ["GradientBuckets", "BucketMemberHandle", "DEFAULT_BUCKET_CAP_MB"]
 
