@@ -234,7 +234,7 @@ def fake_collective_case(spec: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from mfsdp2.integrations import compat
+    from mfsdp2.base import compat
     from mfsdp2.models.llama import LlamaConfig, Transformer
     from mfsdp2.memory.layout import plan_layout
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ._dist import client_store, held_store
-from mfsdp2.integrations import compat
+from mfsdp2.base import compat
 from mfsdp2.memory.allocator import DynamicAllocator
 
 from .models import batch, build, loss_fn, make_opt

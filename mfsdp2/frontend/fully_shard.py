@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..comm import devices
 from ..memory.allocator import BucketAllocator
 from ..comm.communicator import Communicator
+from ..comm.registry import communicator_for
 from ..runtime.fsdp2_state import bind_runtime
 from ..runtime.hooks import lazy_init
 from ..runtime.external_backward import finish_backward, reduce_accumulated
@@ -42,7 +43,6 @@ __all__ = ["fully_shard"]
 
 logger = logging.getLogger(__name__)
 
-_communicators: dict = {}
 _class_cache: dict[type, type] = {}
 
 
@@ -58,10 +58,7 @@ def _communicator(mesh: DeviceMesh, dim: Optional[int]) -> Communicator:
     """The (cached) communicator of mesh dimension ``dim``; ``None``: this rank alone."""
     device = devices.mesh_compute_device(mesh)
     group = mesh.get_group(dim) if dim is not None else None
-    key = (id(group), str(device))
-    if key not in _communicators:
-        _communicators[key] = Communicator(group, device)
-    return _communicators[key]
+    return communicator_for(group, device)
 
 
 def _collect(

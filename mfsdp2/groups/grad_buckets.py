@@ -56,7 +56,7 @@ DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's default bucket_cap_mb
 Group = Any  # a ParameterGroup (untyped: param_group imports this file's users, not the reverse)
 
 
-class _Bucket:
+class Bucket:
     """One block of the allocator holding several groups' flat gradients, all-reduced at once."""
 
     __slots__ = ("lane", "index", "alloc_key", "block", "comm", "op", "members", "offsets", "used",
@@ -100,7 +100,7 @@ class _Lane:
         self.plan: list[list] = []  # buckets of (group, numel), from the last backward that reduced
         self.pos = (0, 0)  # (bucket, member) of the next expected group in the plan
         self.diverged = False
-        self.open: Optional[_Bucket] = None
+        self.open: Optional[Bucket] = None
         self.serial = 0
 
 
@@ -110,7 +110,7 @@ class BucketMemberHandle:
 
     __slots__ = ("buckets", "bucket")
 
-    def __init__(self, buckets: "GradientBuckets", bucket: _Bucket):
+    def __init__(self, buckets: "GradientBuckets", bucket: Bucket):
         self.buckets = buckets
         self.bucket = bucket
 
@@ -138,7 +138,7 @@ class GradientBuckets:
         self.cap_bytes = int(cap_mb * 2**20)
         self.max_in_flight = 2
         self._lanes: dict[tuple, _Lane] = {}
-        self._in_flight: list[_Bucket] = []
+        self._in_flight: list[Bucket] = []
         self.issued_count = 0  # buckets issued since creation (tests, diagnostics)
 
     @property
@@ -156,7 +156,7 @@ class GradientBuckets:
 
     # -- packing ------------------------------------------------------------------------------
     def reserve(self, group: Group, lane_key: tuple, comm, op, numel: int, dtype: torch.dtype,
-                device: torch.device, label: str) -> tuple[_Bucket, torch.Tensor]:
+                device: torch.device, label: str) -> tuple[Bucket, torch.Tensor]:
         """The slice of a bucket ``group`` packs its ``numel``-element flat gradient into; call
         :meth:`packed` after packing it."""
         lane = self._lanes.get(lane_key)
@@ -165,7 +165,7 @@ class GradientBuckets:
         lane.record.append((group, numel))
         bucket = self._planned_slot(lane, group, numel, comm, op, dtype, device)
         if bucket is None:  # off the plan (or no plan yet): a bucket of its own
-            bucket = _Bucket(lane, None, comm, op, numel)
+            bucket = Bucket(lane, None, comm, op, numel)
             bucket.planned_size = 1
             self._allocate(bucket, numel, dtype, device)
         offset = bucket.used
@@ -177,7 +177,7 @@ class GradientBuckets:
                         f"({len(bucket.members)} group(s), last {label})")
         return bucket, bucket.block[offset : offset + numel]
 
-    def _planned_slot(self, lane: _Lane, group: Group, numel: int, comm, op, dtype, device) -> Optional[_Bucket]:
+    def _planned_slot(self, lane: _Lane, group: Group, numel: int, comm, op, dtype, device) -> Optional[Bucket]:
         if lane.diverged or not lane.plan:
             return None
         b, m = lane.pos
@@ -192,7 +192,7 @@ class GradientBuckets:
             # Members side by side: every group's flat size is already a multiple of 16 bytes
             # (layout alignment), so each starts aligned and the block is exactly their sum.
             cap = sum(n for _, n in members)
-            bucket = _Bucket(lane, b, comm, op, cap)
+            bucket = Bucket(lane, b, comm, op, cap)
             bucket.planned_size = len(members)
             self._allocate(bucket, cap, dtype, device)
             lane.open = bucket
@@ -200,7 +200,7 @@ class GradientBuckets:
         lane.pos = (b, m + 1) if m + 1 < len(lane.plan[b]) else (b + 1, 0)
         return bucket
 
-    def _allocate(self, bucket: _Bucket, numel: int, dtype, device) -> None:
+    def _allocate(self, bucket: Bucket, numel: int, dtype, device) -> None:
         lane = bucket.lane
         base = ("grad_bucket", self.root_name, lane.name, bucket.index if bucket.index is not None else "single")
         k = 0
@@ -209,7 +209,7 @@ class GradientBuckets:
         bucket.alloc_key = base + (k,)
         bucket.block = self.allocator.allocate(bucket.alloc_key, numel, dtype, device)
 
-    def packed(self, bucket: _Bucket) -> None:
+    def packed(self, bucket: Bucket) -> None:
         """A member finished packing: issue the bucket once its last planned member is in."""
         if bucket.full:
             if bucket.lane.open is bucket:
@@ -217,7 +217,7 @@ class GradientBuckets:
             self.issue(bucket)
 
     # -- collectives --------------------------------------------------------------------------
-    def issue(self, bucket: _Bucket) -> None:
+    def issue(self, bucket: Bucket) -> None:
         """Start the bucket's all-reduce over what it holds (async); keep at most
         :attr:`max_in_flight` issued buckets unfinished."""
         if bucket.issued:
@@ -235,7 +235,7 @@ class GradientBuckets:
         while len(self._in_flight) > self.max_in_flight:
             self.complete(self._in_flight[0])
 
-    def complete(self, bucket: _Bucket) -> None:
+    def complete(self, bucket: Bucket) -> None:
         """Wait for the bucket's all-reduce and finish every member whose reduction is still
         pending in it (accumulate, expose ``.grad``)."""
         if bucket in self._in_flight:
@@ -272,13 +272,13 @@ class GradientBuckets:
             lane.open = None
 
     # -- block lifetime -----------------------------------------------------------------------
-    def release(self, bucket: _Bucket, group: Group) -> None:
+    def release(self, bucket: Bucket, group: Group) -> None:
         """``group`` no longer uses its slice (reduction finished without keeping it, or its main
         gradient was released); the block goes back when nobody does."""
         bucket.holders.discard(group)
         self._maybe_free(bucket)
 
-    def _maybe_free(self, bucket: _Bucket) -> None:
+    def _maybe_free(self, bucket: Bucket) -> None:
         if bucket.holders or bucket.block is None:
             return
         if bucket.issued and not bucket.completed and not bucket.handle.settle():
@@ -287,7 +287,7 @@ class GradientBuckets:
             self.allocator.free(bucket.alloc_key)
         bucket.block = None
 
-    def leak(self, bucket: _Bucket, why: str) -> None:
+    def leak(self, bucket: Bucket, why: str) -> None:
         """The bucket's collective failed and may still write its block: never reuse it."""
         if bucket.block is not None and self.allocator.is_live(bucket.alloc_key):
             self.allocator.leak(bucket.alloc_key, why)

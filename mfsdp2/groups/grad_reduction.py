@@ -14,35 +14,50 @@ the group's state (``layout``, ``weights``, ``comm``, ``dist_params``, ``unshard
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Hashable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from ..memory.allocator import BucketAllocator
 from ..comm.communicator import CommHandle, comm_stats
-from .grad_buckets import BucketMemberHandle, GradientBuckets
+from .grad_buckets import Bucket, BucketMemberHandle, GradientBuckets
 from .main_grad import MainGradient
+from .reduce_plan import ReducePlan, divide, plan_reduction
 from ..precision.te import detach_main_grads
 from ..dtensors.tensor_parallel import local_grad
 from ..dtensors.shard_dim import storage_flat
 
-__all__ = ["GradientReduction"]
+__all__ = ["GradientReduction", "PendingReduction", "ReduceStage"]
+
+ReduceOp = Union[dist.ReduceOp, "dist.ReduceOp.RedOpType"]
+
+
+class ReduceStage(enum.Enum):
+    """Which collective of a pending reduction is in flight."""
+
+    SHARD_GROUP = "shard group"  # the reduce-scatter (or a no_shard group's own all-reduce)
+    REPLICAS = "replicas"  # the all-reduce across replicas (HSDP), or a bucket's shared all-reduce
 
 
 @dataclass
-class _PendingReduce:
-    handle: CommHandle
+class PendingReduction:
+    """A group's reduction between its issue and its landing in the main gradient: what to wait
+    for, where the result is, and what to do with it. One per group at a time."""
+
+    handle: Union[CommHandle, BucketMemberHandle]
     direct: bool  # the collective wrote straight into the main gradient
     out: torch.Tensor  # the shard-group result (shard-size, or full-size for full-gradient strategies)
-    has_grad: tuple
-    key: object
+    has_grad: tuple[bool, ...]  # per parameter: whether this rank contributed a gradient
+    key: Hashable  # the allocator key suffix of the reduction's buffers
     all_reduce: bool  # HSDP: all-reduce ``out`` across replicas when the shard-group part is done
-    op: object  # the replicate all-reduce's op
-    stage: str = "rs"  # "rs": the shard-group collective is in flight; "ar": the replicate all-reduce
-    bucket: object = None  # a grad_buckets bucket: the reduction is its share of a bucketed all-reduce
+    op: ReduceOp  # the replicate all-reduce's op
+    stage: ReduceStage = ReduceStage.SHARD_GROUP
+    bucket: Optional[Bucket] = None  # the reduction is its share of this bucket's all-reduce
     buckets: Optional[GradientBuckets] = None
+    post_divide: Optional[float] = None  # divide the reduced result by this (ReducePlan.post_divide)
     final: bool = True  # issued in the step's last backward (see GradientReduction.reduce_final)
 
 
@@ -97,33 +112,14 @@ class GradientReduction(MainGradient):
                 up.grad = None
                 self.unsynced_flags[i] = True
 
-    def _reduce_ops(self) -> tuple[Optional[float], object, object]:
-        """``(prescale, first collective's op, replicate all-reduce's op)`` for the divide factor.
+    def _reduce_plan(self) -> ReducePlan:
+        """The reduce ops and divisions of this group's next reduction: FSDP2's rules for its
+        reduce dtype, groups, divide factor and forced sum (:mod:`mfsdp2.groups.reduce_plan`)."""
+        replicas = self.replicate_comm.world_size if self.replicate_comm is not None else 1
+        return plan_reduction(self.reduce_dtype, self.comm.world_size, replicas, self.divide_factor,
+                              self.force_sum, self.comm.premul_sum)
 
-        Mean over every data-parallel rank (default): AVG in each stage (a mean of equal-size
-        means is the mean; gloo's all-reduce emulates AVG). A custom factor ``D``: NCCL scales
-        inside the first collective (PREMUL_SUM); elsewhere the gradients are multiplied by
-        ``1/D`` while they are packed (in the reduce dtype, before any sum: no bf16 overflow),
-        then summed."""
-        avg, total = dist.ReduceOp.AVG, dist.ReduceOp.SUM
-        D = self.divide_factor
-        if self.force_sum:
-            return None, total, total  # divided by _post_divisor() once the reduction is done
-        if D is None:
-            return None, avg, avg
-        premul = self.comm.premul_sum(1.0 / D) if self.comm.world_size > 1 else None
-        if premul is not None:
-            return None, premul, total
-        return (None if D == 1 else 1.0 / D), total, total
-
-    def _post_divisor(self) -> float:
-        """With ``force_sum``: what the summed result is divided by (the divide factor, else every
-        data-parallel rank: the shard group times the replicas)."""
-        if self.divide_factor is not None:
-            return self.divide_factor
-        return float(self.comm.world_size * (self.replicate_comm.world_size if self.replicate_comm is not None else 1))
-
-    def _pack(self, full: torch.Tensor, prescale: Optional[float]) -> list[bool]:
+    def _pack(self, full: torch.Tensor, plan: ReducePlan) -> list[bool]:
         """Copy the unsharded grads into ``full`` (zeros where a parameter has none, and in the
         padding); TE-fused wgrads are already in place. Returns which parameters had one."""
         layout = self.layout
@@ -157,8 +153,9 @@ class GradientReduction(MainGradient):
             end = slot.offset + slot.numel
         if end < layout.total_numel and not fused:
             full[end:].zero_()
-        if prescale is not None:
-            full.mul_(prescale)
+        if plan.pre_scale is not None:
+            full.mul_(plan.pre_scale)
+        divide(full, plan.pre_divide)
         if fused:
             detach_main_grads(self)
         self.fused_full = None
@@ -195,7 +192,7 @@ class GradientReduction(MainGradient):
                 return None
             nbytes = self.layout.total_numel * self.reduce_dtype.itemsize
             # weights.comm: the one the reduce-scatter would go through (a user's custom one included)
-            return self.comm if self.weights.comm.reduce_scatter_is_all_reduce(self._reduce_ops()[1], nbytes) else None
+            return self.comm if self.weights.comm.reduce_scatter_is_all_reduce(self._reduce_plan().op, nbytes) else None
         if not self.full_grads:
             return None  # a one-rank shard group of a sharded strategy: reduced by its own path
         if self.replicate_comm is None:
@@ -228,10 +225,11 @@ class GradientReduction(MainGradient):
             listener.before_reduce(self)
         self.finish_reduce(allocator)  # one reduction per group in flight
         layout = self.layout
-        prescale, op, replicate_op = self._reduce_ops()
+        plan = self._reduce_plan()
+        op, replicate_op = plan.op, plan.replicate_op
         comm = self._bucket_comm() if buckets is not None and buckets.enabled else None
         if comm is not None:
-            self._reduce_into_bucket(buckets, comm, op if comm is self.comm else replicate_op, prescale, key, label)
+            self._reduce_into_bucket(buckets, comm, op if comm is self.comm else replicate_op, plan, key, label)
             return True
         all_reduce = self.replicate_comm is not None and self.requires_all_reduce
         # Nothing accumulated is visible (every grad None: first reduction since zero_grad), the
@@ -251,7 +249,7 @@ class GradientReduction(MainGradient):
                 full = self.main_grad_full
             else:
                 full = allocator.allocate(("grad", key), layout.total_numel, self.reduce_dtype, self.device)
-            has_grad = self._pack(full, prescale)
+            has_grad = self._pack(full, plan)
             if self.all_reduces_full:
                 out = full
                 handle = self.comm.all_reduce(full, op, label=label)
@@ -264,11 +262,11 @@ class GradientReduction(MainGradient):
                 n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, op, full.element_size())
                 scratch = allocator.allocate(("rs_recv", key), n_scratch, self.reduce_dtype, self.device) if n_scratch else None
                 handle = self.weights.reduce_scatter(full, out, op, scratch, label)
-        self._pending_reduce = _PendingReduce(handle, direct, out, tuple(has_grad), key, all_reduce, replicate_op,
-                                              final=self.reduce_final)
+        self._pending_reduce = PendingReduction(handle, direct, out, tuple(has_grad), key, all_reduce, replicate_op,
+                                              post_divide=plan.post_divide, final=self.reduce_final)
         return False
 
-    def _reduce_into_bucket(self, buckets: GradientBuckets, comm, op, prescale: Optional[float], key, label: str) -> None:
+    def _reduce_into_bucket(self, buckets: GradientBuckets, comm, op, plan: ReducePlan, key, label: str) -> None:
         """Pack into this group's slice of a bucket (see :meth:`reduce_grads`). Direct when, as in
         the unbucketed path, nothing accumulated is visible, the dtypes match and the main
         gradient is compute memory (not CPU offloaded): the slice then *is* the main gradient from
@@ -288,7 +286,7 @@ class GradientReduction(MainGradient):
         lane = (id(comm), self.reduce_dtype, self.device, self.divide_factor, self.force_sum)
         bucket, full = buckets.reserve(self, lane, comm, op, self.layout.total_numel, self.reduce_dtype, self.device, label)
         with torch.no_grad():
-            has_grad = self._pack(full, prescale)
+            has_grad = self._pack(full, plan)
         if direct:
             self.main_grad_full = full
             self.main_grad = self.weights.local_slice(full)
@@ -296,9 +294,9 @@ class GradientReduction(MainGradient):
         out = self.weights.local_slice(full) if sharded else full
         if sharded:
             comm_stats.reduce_scatters_in_buckets += 1
-        self._pending_reduce = _PendingReduce(
+        self._pending_reduce = PendingReduction(
             BucketMemberHandle(buckets, bucket), direct, out, tuple(has_grad), key, False, op,
-            stage="ar", bucket=bucket, buckets=buckets, final=self.reduce_final,
+            stage=ReduceStage.REPLICAS, bucket=bucket, buckets=buckets, post_divide=plan.post_divide, final=self.reduce_final,
         )
         buckets.packed(bucket)
 
@@ -317,7 +315,7 @@ class GradientReduction(MainGradient):
         if allocator.is_live(("rs_recv", key)):
             allocator.free(("rs_recv", key))
 
-    def _free_out(self, allocator: BucketAllocator, p: _PendingReduce) -> None:
+    def _free_out(self, allocator: BucketAllocator, p: PendingReduction) -> None:
         if not p.direct and not self.all_reduces_full:
             allocator.free(("rs_out", p.key))
         if self.all_reduces_full:
@@ -344,7 +342,7 @@ class GradientReduction(MainGradient):
         for up in self.unsharded_params:
             up.grad = None
 
-    def _abort_bucketed(self, p: _PendingReduce) -> None:
+    def _abort_bucketed(self, p: PendingReduction) -> None:
         """Drop a reduction pending in a bucket: its slice was this step's partial sum (never
         exposed); a bucket whose collective may still run is leaked whole."""
         if p.handle.settle():
@@ -361,7 +359,7 @@ class GradientReduction(MainGradient):
             for dp in self.dist_params:
                 dp.grad = None
 
-    def _leak_reduce_buffers(self, allocator: BucketAllocator, p: _PendingReduce) -> None:
+    def _leak_reduce_buffers(self, allocator: BucketAllocator, p: PendingReduction) -> None:
         """Every buffer the unfinished reduction ``p`` may still read or write: its input, receive
         scratch and output -- the main gradient itself when it reduced straight into it."""
         why = f"the {p.handle.label or 'reduction'} failed and may still be running"
@@ -399,7 +397,7 @@ class GradientReduction(MainGradient):
         p.handle.wait()
         out = p.out
         with torch.no_grad():
-            if p.stage == "rs":
+            if p.stage is ReduceStage.SHARD_GROUP:
                 if not self.all_reduces_full:
                     self._free_reduce_buffers(allocator, p.key)
                 if self.replicate_comm is not None and not p.all_reduce:
@@ -420,13 +418,12 @@ class GradientReduction(MainGradient):
                         allocator.free(self._partial_key())
                     label = f"all-reduce across replicas of {self.name}"
                     p.handle = self.replicate_comm.all_reduce(out, p.op, label=label)
-                    p.stage = "ar"
+                    p.stage = ReduceStage.REPLICAS
                     return False
             self._pending_reduce = None
             if self.all_reduce_hook is not None:  # FSDP2's place: after the reduction, before the post-divide
                 self.all_reduce_hook(out)
-            if self.force_sum and self._post_divisor() != 1:
-                out.div_(self._post_divisor())
+            divide(out, p.post_divide)
             if not p.direct:
                 self._accumulate(allocator, out)
             if p.bucket is not None:

@@ -46,7 +46,7 @@ from ..memory.allocator import BucketAllocator
 from ..memory.buffer import DataParallelBuffer
 from ..comm.communicator import CommHandle, Communicator
 from ..precision.fp8 import Float8Gather
-from .grad_reduction import GradientReduction, _PendingReduce
+from .grad_reduction import GradientReduction, PendingReduction
 from .grad_views import GradViews
 from ..memory.layout import BufferLayout, plan_layout
 from ..precision.mixed_precision import MixedPrecisionPolicy
@@ -212,7 +212,7 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         self._dp_storages: Optional[list[int]] = None  # see _check_data_not_assigned
         self._hooks_forwarded_to: dict[int, nn.Parameter] = {}  # see _forward_tensor_hooks
         self.unsharded_params: list[nn.Parameter] = []
-        self._pending_reduce: Optional[_PendingReduce] = None
+        self._pending_reduce: Optional[PendingReduction] = None
         # Micro-batches of backwards without gradient sync, summed in the reduce dtype (see
         # GradientReduction.accumulate_unsynced), and which parameters they gave a grad.
         self.unsynced_grad: Optional[torch.Tensor] = None

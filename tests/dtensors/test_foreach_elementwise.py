@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from mfsdp2 import fully_shard
-from mfsdp2.integrations import compat
+from mfsdp2.base import compat
 from mfsdp2.dtensors.placement import chunk_rows
 
 from .._dist import run_ranks

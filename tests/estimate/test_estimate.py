@@ -323,7 +323,7 @@ def test_storage_swap_decides_whether_the_allocator_holds_gathered_weights():
     counts them as live but holds nothing of them, so only the main gradients remain after the
     step, and the same bytes are gathered at the peak. The measured comparison above checks the
     running torch's mode; this one both, against each other."""
-    from mfsdp2.integrations import compat
+    from mfsdp2.base import compat
 
     model = _meta_llama(BIG)
     kw = dict(units=TransformerBlock, mesh_shape=2, batch_size=BATCH, seq_len=SEQ, device="cpu")

@@ -310,7 +310,7 @@ def _ag_count(lib: str) -> int:
 def _torch_rank(rank, ws, kinds):
     """FSDP2 with its all-gathers counted (``dist.all_gather_single`` on torch 2.13,
     ``all_gather_into_tensor`` before: see mfsdp2.base.compat)."""
-    from mfsdp2.integrations import compat
+    from mfsdp2.base import compat
 
     name = compat.all_gather_name()
     orig = getattr(dist, name)

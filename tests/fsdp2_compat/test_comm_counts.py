@@ -26,7 +26,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 import torch.distributed as dist
 
-from mfsdp2.integrations import compat
+from mfsdp2.base import compat
 from mfsdp2 import fully_shard as mfsdp2_shard
 from mfsdp2.comm.communicator import comm_stats
 

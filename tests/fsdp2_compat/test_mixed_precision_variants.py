@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp2.integrations import compat
+from mfsdp2.base import compat
 from mfsdp2.comm.communicator import Communicator
 from mfsdp2.groups.grad_buckets import GradientBuckets
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp2 import TracePoolAllocator, fully_shard
-from mfsdp2.integrations import compat
+from mfsdp2.base import compat
 from mfsdp2.memory.allocator import EXACT_ROLES, role_of
 from mfsdp2.memory.pool_plan import Interval, PoolPlan, check_plan, max_live, plan_pool
 

@@ -194,7 +194,7 @@ def test_reset_after_a_failed_reduction_leaks_its_buffers_instead_of_freeing_the
 
 
 def _failed_gather(rank, ws, fp8=False, swap=True):
-    from mfsdp2.integrations import compat
+    from mfsdp2.base import compat
 
     compat.HAS_STORAGE_SWAP = compat.HAS_STORAGE_SWAP and swap  # False: storage.resize_ (buffer.py)
     mesh = init_device_mesh("cpu", (ws,))

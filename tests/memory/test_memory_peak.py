@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mfsdp2 import fully_shard
-from mfsdp2.integrations import compat
+from mfsdp2.base import compat
 from mfsdp2.memory.allocator import CachingAllocator
 from mfsdp2.memory.buffer import DataParallelBuffer
 from mfsdp2.comm.communicator import CommHandle

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import mfsdp2.memory.allocator as A
 import mfsdp2.optim
 from mfsdp2 import TracePoolAllocator, fully_shard
-from mfsdp2.integrations import compat
+from mfsdp2.base import compat
 from mfsdp2.memory.allocator import CachingAllocator
 
 from .._dist import run_ranks

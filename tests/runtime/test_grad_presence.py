@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp2.integrations import compat
+from mfsdp2.base import compat
 from mfsdp2 import fully_shard
 from mfsdp2.runtime import grad_presence
 from mfsdp2.runtime.grad_presence import GradientPresenceError

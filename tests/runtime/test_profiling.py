@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 
-from mfsdp2.runtime import profiling
+from mfsdp2.base import profiling
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
 dist.init_process_group("gloo")
 from mfsdp2 import fully_shard
-from mfsdp2.runtime import profiling
+from mfsdp2.base import profiling
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
 mesh = init_device_mesh("cpu", (1,))
 fully_shard(model[0], mesh=mesh)
