@@ -58,12 +58,17 @@ bench-record: venv native
 	$(PY) benchmarks/alpha_beta.py --json $(R)/alpha_beta.json
 	$(PY) benchmarks/step_model.py --json $(R)/step_model.json
 
-# One command for a lent GPU machine (tools/gpu_check.py, under 5 minutes there): the CUDA tests,
-# the two-ranks-on-one-GPU suite, benchmarks/gpu.py at world size 1 and the whole suite with
-# pytest -n 14, from this tree with the machine's own python and torch (nothing installed); the
-# summary (text + JSON) goes to $OUT when set, else gpu-check-results/. GPU_CHECK_DRY=1: the CPU
-# dry run of the same steps (tests/test_gpu_check.py runs it). GPU_CHECK_ARGS: e.g. --native.
+# One command for a lent GPU machine (tools/gpu_check.py, under 5 minutes there, every step on a
+# fixed budget): the CUDA-marked tests, benchmarks/gpu.py at world size 1 and one profiled step of
+# two ranks on the GPU, from this tree with the machine's own python and torch (nothing
+# installed); the summary (text + JSON, with the cause of every step that did not pass) goes to
+# $OUT when set, else gpu-check-results/. `make gpu-suite`, a second call: the rest of the suite
+# with pytest -n 14. GPU_CHECK_DRY=1: the CPU dry run of the same steps (tests/test_gpu_check.py
+# runs it). GPU_CHECK_ARGS: e.g. --native.
 GPU_PYTHON ?= python3
-.PHONY: gpu-check
+.PHONY: gpu-check gpu-suite
 gpu-check:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) tools/gpu_check.py $(if $(GPU_CHECK_DRY),--dry-run) $(GPU_CHECK_ARGS)
+
+gpu-suite:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) tools/gpu_check.py --suite $(if $(GPU_CHECK_DRY),--dry-run) $(GPU_CHECK_ARGS)

@@ -165,3 +165,28 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def world_mesh(device_type: str, expect_backend: str = "gloo"):
+    """A 1-D mesh over the whole default group, built *from* that group, with the backend its
+    ``device_type`` collectives go to checked.
+
+    Why: ``init_device_mesh`` may make a fresh group, and on torch versions that make it as
+    ``cpu:gloo,cuda:nccl`` a CUDA mesh over a gloo default group would send its collectives to
+    NCCL -- which refuses two ranks on one GPU, or, worse, a test written for gloo's path would
+    silently run the NCCL one. Raises when the backend is not ``expect_backend``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from mfsdp2.comm.devices import group_backend
+
+    group = dist.group.WORLD
+    backend = group_backend(group, device_type)
+    if backend != expect_backend:
+        raise RuntimeError(
+            f"the default group runs its {device_type} collectives on {backend!r}, not {expect_backend!r}: "
+            f"several ranks on one GPU need gloo (NCCL refuses them); initialise with init_process_group('gloo')")
+    mesh = DeviceMesh.from_group(group, device_type)
+    mesh_backend = group_backend(mesh.get_group(), device_type)
+    if mesh.get_group() is not group and mesh_backend != expect_backend:
+        raise RuntimeError(f"the {device_type} mesh's group runs on {mesh_backend!r}, not {expect_backend!r}")
+    return mesh

@@ -43,10 +43,8 @@ from mfsdp2.memory.allocator import DynamicAllocator
 
 from .models import batch, build, loss_fn, make_opt
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA GPU (NCCL, CUDA side streams, CUDA storage re-pointing); the gloo tests cover CPU",
-)
+# Needs a CUDA GPU (NCCL, CUDA side streams, CUDA storage re-pointing); the gloo tests cover the CPU.
+pytestmark = pytest.mark.cuda
 # The zero-copy tests below check where the allocator's blocks go; without _swap_data_ptr_ (torch
 # before 2.13) gathered weights come from storage.resize_ instead, tested by the resize_ test.
 needs_storage_swap = pytest.mark.skipif(

@@ -116,17 +116,17 @@ def events_of(prof) -> tuple[list[str], list[DeviceEvent]]:
 
 def _rank(rank: int, ws: int, device: str, out: str, steps: int) -> dict:
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
 
     from mfsdp2 import fully_shard
     from tests import models
+    from tests._dist import world_mesh
 
     if device == "cuda":
         torch.cuda.set_device(0)  # every rank on the one GPU
     torch.manual_seed(0)
     model = models.Net(d_in=256, d=512, hidden=2048, d_out=16, n_blocks=4).to(device)
-    mesh = init_device_mesh(device, (ws,))
+    mesh = world_mesh(device)  # gloo asserted: both ranks share the one GPU
     models.shard_blocks(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(64, 256, device=device)
@@ -154,6 +154,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "gpu-check-results"))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cpu", action="store_true", help="profile on the CPU even where CUDA is available")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds for the two ranks to finish")
     a = p.parse_args(argv)
     sys.path.insert(0, ROOT)
     import torch
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
 
     device = "cuda" if torch.cuda.is_available() and not a.cpu else "cpu"
     os.makedirs(a.out, exist_ok=True)
-    per_rank = run_ranks(_rank, 2, device, a.out, a.warmup, timeout=300)
+    per_rank = run_ranks(_rank, 2, device, a.out, a.warmup, timeout=a.timeout)
     summary = {"device": device, "world_size": 2, "ranks": per_rank}
     with open(os.path.join(a.out, "profile_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

@@ -57,6 +57,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..dtensors.placement import RowShard, communicable, wrap_local
 from ..groups.param_group import mark_empty_pieces
+from ..memory.offload import settle_host_reads
 from ._common import check_loadable, full_of, global_rows, mark_write_nothing, relabel_rows, row_range
 
 __all__ = ["register_state_dict_hooks"]
@@ -99,6 +100,9 @@ def _own_entries(module: nn.Module, prefix: str):
 
 
 def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    # The entries are views of the main weights, and DCP's load writes into them in place (no
+    # load hook runs): under CPU offload, copies to the device still reading them end first.
+    settle_host_reads()
     for key, dp, rows in _own_entries(module, prefix):
         if key not in state_dict:
             continue
@@ -164,6 +168,7 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
     entries = [(k, dp, rows) for k, dp, rows in _own_entries(module, prefix) if k in state_dict]
     if not entries:
         return
+    settle_host_reads()  # CPU offload: no copy of the main weights to the device may still read them
     check_loadable(state, meta_ok=True)
     _refuse_meta_sources(state, entries, state_dict)
     # A model built on the meta device (DSD's broadcast_from_rank0 / full_state_dict loads with

@@ -71,6 +71,7 @@ from ._common import (
     sharded_params,
     walk,
 )
+from ..memory.offload import settle_host_reads
 from .fused import join_fused, join_swiglu, split_fused, split_swiglu
 from .hf import HFLoadStats, load_hf_safetensors, save_hf_safetensors
 from .model import register_state_dict_hooks
@@ -164,6 +165,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, *,
 def set_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, optim_state_dict: dict[str, Any], *,
                              options: Optional[StateDictOptions] = None) -> None:
     """Load optimizer states; full state dicts are sliced by the parameters' rows."""
+    settle_host_reads()  # CPU offload: host memory is written next
     options = options or StateDictOptions()
     optims = _as_tuple(optimizers)
     sps = prepare_optimizers(model, optims)

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from ..memory.offload import settle_host_reads
 from ..runtime.param_adoption import adopt_replaced, settle_all
 from ..dtensors.shard_dim import rows_along
 
@@ -70,6 +71,7 @@ def materialize(model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]]
     already hold values (a module converted by ``to_empty`` on its own, a parameter replaced
     before the first forward) keep them. Not collective, unless a replaced parameter's rows must
     be redistributed (every rank calls it anyway)."""
+    settle_host_reads()  # CPU offload: the main weights are written next
     states = _units(model)
     for st in states:
         if st.ctx is None:

@@ -34,9 +34,12 @@ forward and backward.
   waits on the current stream, see :mod:`mfsdp2.comm.communicator`), but the copy reads the main shard after
   the host went on, and the host may write it next. The event of the latest such copy is waited
   (:func:`settle_host_reads`) at the end of backward and before any optimizer step (a step pre-hook
-  installed with the first non-blocking copy-in). A write of the main weights by other code between
-  a forward and the end of its GPU work (``p.copy_(...)`` right after an eval forward whose output
-  was not read yet) must ``torch.cuda.synchronize()`` first -- as with FSDP2.
+  installed with the first non-blocking copy-in), and by every mfsdp2 path that writes the main
+  weights: ``load_state_dict``, ``state_dict()`` (whose entries DCP's load writes into in place),
+  the safetensors load, ``materialize`` and ``set_optimizer_state_dict``
+  (``tests/checkpoint/test_offload_reads.py``). A write by other code between a forward and the
+  end of its GPU work (``p.copy_(...)`` right after an eval forward whose output was not read yet)
+  must ``torch.cuda.synchronize()`` first -- as with FSDP2.
 """
 
 from __future__ import annotations

@@ -41,13 +41,12 @@ import time
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from mfsdp2 import FSDPModule, MixedPrecisionPolicy, fully_shard
 from mfsdp2.base.profiling import event_log
 
-from .._dist import run_ranks
+from .._dist import run_ranks, world_mesh
 from .._slow_collectives import SlowCollectives
 from ..models import F64, REL_F64, Block, assert_close_rel, batch, build, loss_fn, make_opt
 
@@ -77,7 +76,7 @@ _RUNS = [("cpu", 2, c) for c in CPU_CONFIGS] + [("cuda", 2, c) for c in CUDA_CON
 # --dist loadgroup its cases stay on one worker.
 CASES = [pytest.param(d, ws, c, id=f"{d}{ws}-" + "-".join(map(str, c)), marks=pytest.mark.xdist_group(f"slow-{d}{ws}"))
          for d, ws, c in _RUNS]
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (two ranks share it)")
+needs_cuda = pytest.mark.cuda  # two ranks share the one GPU
 
 
 class _CkptBlock(Block):
@@ -140,7 +139,7 @@ def _train(rank: int, ws: int, device: str, allocator: str, depth: int, mode: st
 
 def _fit(rank: int, ws: int, device: str, allocator: str, depth: int, mode: str, dtype: str, keep,
          keep_gathered: bool = False):
-    mesh = init_device_mesh(device, (ws,))
+    mesh = world_mesh(device)  # gloo asserted: two ranks share the one GPU
     param_dtype, mp = _DTYPES[dtype]
     model = build("net", dtype=param_dtype).to(device)
     if keep is not None:

@@ -10,8 +10,6 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp2 import TracePoolAllocator, fully_shard
@@ -20,6 +18,7 @@ from mfsdp2.memory.allocator import EXACT_ROLES, role_of
 from mfsdp2.memory.pool_plan import Interval, PoolPlan, check_plan, max_live, plan_pool
 
 from .._dist import run_ranks
+from .._optional import given, settings, st
 from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, reference_run, reference_step
 
 ALIGN = 16

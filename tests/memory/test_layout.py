@@ -19,10 +19,10 @@ import math
 import re
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from mfsdp2.memory.layout import BufferLayout, ParamSlot, ShardPiece, plan_layout
+
+from .._optional import given, settings, st
 
 
 def _up(x: int, a: int) -> int:

@@ -24,8 +24,6 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
 
 from mfsdp2.checkpoint import state_dict as msd
@@ -33,6 +31,7 @@ from mfsdp2.optim import AdamW, kernel
 from mfsdp2.optim.bf16_states import random_bits, salt, step_piece, stochastic_round
 
 from .._dist import run_ranks
+from .._optional import given, HealthCheck, settings, st
 from ..models import batch, build, loss_fn
 from .test_optim_kernel import _ieee_reference
 from .test_optim_adamw import LAYOUTS, _groups_of, _inject, _meshes, _shard, _step_grads, _step_nan_padded, full, same_bits

@@ -26,8 +26,6 @@ import contextlib
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
@@ -37,6 +35,7 @@ from mfsdp2.precision import native
 from mfsdp2.optim import AdamW
 
 from .._dist import run_ranks
+from .._optional import given, HealthCheck, Phase, settings, st
 from ..models import F64, batch, build, loss_fn, sharded_train_step
 
 LAYOUTS = ("optim_grads_params", "optim_grads", "optim", "no_shard", "hsdp", "offload")

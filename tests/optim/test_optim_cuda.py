@@ -18,7 +18,7 @@ import torch
 from ..models import batch, build, loss_fn
 from ..test_cuda import run_cuda
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.cuda
 
 HYPER = [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False),
          dict(lr=5e-3, betas=(0.5, 0.9), eps=1e-6, weight_decay=0.0, amsgrad=True, maximize=True)]

@@ -18,10 +18,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from mfsdp2.optim import kernel
+
+from .._optional import given, settings, st
 
 ARITH = kernel.native_arithmetic()
 needs_native = pytest.mark.skipif(ARITH is None, reason="native kernels not built (make native)")

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -18,6 +16,7 @@ from mfsdp2.precision import native
 from mfsdp2.precision.fp8_tiles import GatheredDequantise
 
 from .._dist import run_ranks
+from .._optional import given, settings, st
 
 E4M3 = torch.float8_e4m3fn
 

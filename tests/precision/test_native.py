@@ -19,12 +19,11 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from mfsdp2.precision import native
 
 from .._dist import run_ranks
+from .._optional import given, settings, st
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 ITEM = 16384  # csrc/segments.h kItem

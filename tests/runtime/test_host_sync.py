@@ -174,7 +174,7 @@ def test_sync_warning_filter():
     assert sync_warnings([notice, real, "some other warning", real]) == [real, real]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_steady_state_step_synchronises_only_where_documented():
     """One GPU, world size 1: a step of ZeRO-3 / FP8 makes no synchronising CUDA call at all;
     persistent strategies make exactly the documented one (the agreed flags' read)."""

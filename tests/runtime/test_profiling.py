@@ -93,7 +93,7 @@ def test_nvtx_selection(monkeypatch):
     assert {"mfsdp2.test outer", "mfsdp2.test inner"} <= names
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build with a GPU")
+@pytest.mark.cuda
 def test_nvtx_source_on_cuda():
     """On a CUDA machine some NVTX binding is always chosen (the package or torch's)."""
     assert profiling.nvtx_source in ("nvtx", "torch.cuda.nvtx")
