@@ -63,7 +63,7 @@ bench-record: venv native
 # two ranks on the GPU, from this tree with the machine's own python and torch (nothing
 # installed); the summary (text + JSON, with the cause of every step that did not pass) goes to
 # $OUT when set, else gpu-check-results/. `make gpu-suite`, a second call: the rest of the suite
-# with pytest -n 14. GPU_CHECK_DRY=1: the CPU dry run of the same steps (tests/test_gpu_check.py
+# with pytest -n 14. GPU_CHECK_DRY=1: the CPU dry run of the same steps (tests/project/test_gpu_check.py
 # runs it). GPU_CHECK_ARGS: e.g. --native.
 GPU_PYTHON ?= python3
 .PHONY: gpu-check gpu-suite

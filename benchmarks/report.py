@@ -7,7 +7,7 @@
 The page keeps prose and figures apart: every table lies between ``<!-- report:NAME -->`` and
 ``<!-- /report:NAME -->`` and is rewritten from the JSON named in ``SOURCES``; the plots
 (``docs/images/bench_*.png``, committed) are drawn from the same data. So a re-recorded JSON changes
-the page by one command, and the page cannot say what the JSON does not (tests/test_report.py
+the page by one command, and the page cannot say what the JSON does not (tests/project/test_report.py
 checks the committed page against the committed JSON). Table code imports no matplotlib; the
 plots need the ``bench`` extra (``pip install -e '.[bench]'``).
 

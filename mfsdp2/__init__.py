@@ -2,7 +2,7 @@
 
 See ``docs/design.md`` for the lifecycle, buffer layout, streams and allocator. The folders are
 layers, listed bottom up; a folder imports only folders below it (each ``__init__`` names them
-in ``MAY_IMPORT``; ``tests/test_layers.py`` reads every import and checks):
+in ``MAY_IMPORT``; ``tests/project/test_layers.py`` reads every import and checks):
 
 * ``base`` -- torch-version bridges, profiler ranges, strategy values, input/output walks;
 * ``comm`` -- the communicator, backends, custom collectives;

@@ -1,7 +1,7 @@
 """Suite-wide test configuration: the ``cuda`` marker.
 
 Every test that needs a CUDA GPU carries ``@pytest.mark.cuda`` (one marker, so ``make gpu-check``
-selects them all with ``-m cuda`` and ``tests/test_gpu_check.py`` can check that no test decides
+selects them all with ``-m cuda`` and ``tests/project/test_gpu_check.py`` can check that no test decides
 it by itself); on a machine without one they are skipped here, with the reason.
 """
 

@@ -1,7 +1,7 @@
 """Every ``torch.optim`` optimizer, as a user would configure it, and a trainer that runs one on a
 model of :mod:`tests.models` -- sharded or not -- and snapshots its parameters and optimizer states.
 
-Shared by the optimizer matrix (tests/test_optimizer_matrix.py): the unsharded float64 run made
+Shared by the optimizer matrix (tests/system/test_optimizer_matrix.py): the unsharded float64 run made
 here is its reference, the sharded runs (mfsdp2's, torch FSDP2's) are made by the same code.
 
 Options are chosen so that each optimizer's own options change the result (momentum and Nesterov,

@@ -31,7 +31,7 @@ Every step has a fixed budget (:data:`BUDGETS`, seconds); they sum to under five
 
 ``--dry-run`` runs the same plumbing on a machine without a GPU, fast: the steps that need CUDA
 are recorded as skipped, the pytest steps run a trivial selection each (``--dry-tests``), and the
-benchmark runs a tiny model on gloo (``tests/test_gpu_check.py`` checks the summary it writes,
+benchmark runs a tiny model on gloo (``tests/project/test_gpu_check.py`` checks the summary it writes,
 including a simulated timeout and a collection error).
 """
 

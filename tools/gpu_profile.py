@@ -12,7 +12,7 @@ what waits for what, and which stream each piece of work lands on -- is mfsdp2's
 ``python tools/gpu_profile.py --out DIR`` writes ``profile_summary.json`` (and rank 0's Chrome
 trace, ``profile_rank0.json``, to open in Perfetto; not meant to be committed). Without CUDA it
 profiles the same step on the CPU: the ranges are there, the device part is empty
-(``tests/test_gpu_profile.py``). ``tools/gpu_check.py`` runs it as its ``profile`` step.
+(``tests/project/test_gpu_profile.py``). ``tools/gpu_check.py`` runs it as its ``profile`` step.
 
 The summary (:func:`summarise`, a pure function of the profile's events):
 

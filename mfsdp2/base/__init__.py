@@ -6,7 +6,7 @@ the event log (``profiling``), the sharding strategies and mesh topology as plai
 
 Why a folder of its own: these were once leaves of higher folders (``integrations``,
 ``runtime``, ``frontend``) that lower folders reached up into; keeping them at the bottom makes
-every import between folders point down (``tests/test_layers.py`` checks it).
+every import between folders point down (``tests/project/test_layers.py`` checks it).
 """
 
 MAY_IMPORT: tuple[str, ...] = ()

@@ -321,6 +321,13 @@ class Communicator:
             return dist._make_nccl_premul_sum(factor)
         return None
 
+    def share_streams(self, other: "Communicator") -> None:
+        """Issue this communicator's collectives on ``other``'s side streams (``share_comm_ctx``:
+        several roots, e.g. pipeline stages, that should not each hold three streams)."""
+        if other.device != self.device:
+            raise ValueError(f"mfsdp2: cannot share the streams of a {other.device} communicator with a {self.device} one")
+        self.ag_stream, self.rs_stream, self.ar_stream = other.ag_stream, other.rs_stream, other.ar_stream
+
     def subgroup(self, size: int) -> "Communicator":
         """The communicator of this rank's block of ``size`` consecutive ranks of the group.
 

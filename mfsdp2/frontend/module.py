@@ -200,7 +200,7 @@ class FSDPModule(*torch_bases()):
         the result is divided afterwards by the divide factor (default: every data-parallel rank)
         -- no AVG or PREMUL_SUM on the wire, as NCCL's zero-copy paths need. Not recursive."""
         for g in self._mfsdp2_state.groups:
-            g.force_sum = bool(enable) or getattr(g, "_custom_rs", False)
+            g.set_force_sum(enable)
 
     def _customise_comm(self, what: str, obj) -> None:
         state = self._mfsdp2_state
@@ -218,13 +218,7 @@ class FSDPModule(*torch_bases()):
                     "strategies only"
                 )
         for g in state.groups:
-            w = g.weights
-            cur = w.comm if isinstance(w.comm, CustomCommunicator) else CustomCommunicator(w.comm)
-            setattr(cur, f"custom_{what}", obj)
-            w.comm = cur
-            if what == "reduce_scatter":
-                g._custom_rs = obj is not None
-                g.force_sum = g.force_sum or g._custom_rs  # the object gets SUM; mfsdp2 divides after
+            g.set_custom_comm(what, obj)
 
     def set_custom_all_gather(self, comm) -> None:
         """Issue this unit's all-gathers through ``comm`` (torch's ``AllGather`` interface):
@@ -491,4 +485,4 @@ def share_comm_ctx(modules: list) -> None:
             for c in {id(x): x for g in s.groups for x in (g.comm, g.replicate_comm, s.comm) if x is not None}.values():
                 base = c.base if isinstance(c, CustomCommunicator) else c
                 if base.device == first.device:
-                    base.ag_stream, base.rs_stream, base.ar_stream = first.ag_stream, first.rs_stream, first.ar_stream
+                    base.share_streams(first)

@@ -161,7 +161,7 @@ class MainGradient:
         optimizer skips it, as it would unsharded). Empty pieces get an empty gradient, never
         ``None``: a rank whose list of gradients differs from the others' issues different
         collectives in ``clip_grad_norm_`` (gloo aborts). torch's foreach and fused optimizers
-        step empty tensors without touching their neighbours (tests/test_empty_grads.py)."""
+        step empty tensors without touching their neighbours (tests/system/test_empty_grads.py)."""
         if self.main_grad is None:
             return
         # Last step's gradient DTensors are reused: re-pointed at this main gradient when the last

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from ..memory.allocator import BucketAllocator
 from ..memory.buffer import DataParallelBuffer
 from ..comm.communicator import CommHandle, Communicator
+from ..comm.custom import CustomCommunicator
 from ..precision.fp8 import Float8Gather
 from .grad_reduction import GradientReduction, PendingReduction
 from .grad_views import GradViews
@@ -138,6 +139,7 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         self.full_grads = not config.strategy.shards_grads
         self.divide_factor: Optional[float] = None  # None: mean over every data-parallel rank
         self.force_sum = False  # SUM collectives, divided after the last one (set_force_sum_reduction_for_comms)
+        self.custom_reduce_scatter = False  # a user's reduce-scatter object (set_custom_comm): it gets SUM
         self.all_reduce_hook = None  # called on the reduced shard before it is accumulated (set_all_reduce_hook)
         self.requires_all_reduce = True  # HSDP: False accumulates shard-group results (set_requires_all_reduce)
         self.partial: Optional[torch.Tensor] = None  # those accumulated results, until the next all-reduce
@@ -322,6 +324,25 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         kept, self.kept = self.kept, None
         with torch.no_grad():
             return self.weights.all_gather_in_group(kept, sub, allocator, key, label)
+
+    # -- user collectives ---------------------------------------------------------------------
+    def set_custom_comm(self, what: str, obj) -> None:
+        """Route this group's ``what`` (``"all_gather"`` / ``"reduce_scatter"``) collectives through
+        a user's object (FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``), or back
+        to mfsdp2's own with ``None``. A custom reduce-scatter gets ``SUM`` and the group divides
+        afterwards: AVG and PREMUL_SUM are NCCL's, and the object may run on anything."""
+        w = self.weights
+        cur = w.comm if isinstance(w.comm, CustomCommunicator) else CustomCommunicator(w.comm)
+        setattr(cur, f"custom_{what}", obj)
+        w.comm = cur
+        if what == "reduce_scatter":
+            self.custom_reduce_scatter = obj is not None
+            self.force_sum = self.force_sum or self.custom_reduce_scatter
+
+    def set_force_sum(self, enable: bool) -> None:
+        """SUM collectives divided afterwards (``set_force_sum_reduction_for_comms``); always on
+        while a custom reduce-scatter is set."""
+        self.force_sum = bool(enable) or self.custom_reduce_scatter
 
     def abandon_gather(self, why: str) -> None:
         """Reshard after a gather that did not provably end: its blocks are leaked, not freed."""

@@ -135,7 +135,7 @@ def _release(rank, ws, allocator, optimizer="torch"):
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh, allocator=allocator)
-    model.set_all_reduce_bucket_cap_mb(0)  # the per-unit reductions (buckets: tests/comm/test_grad_buckets.py)
+    model.set_all_reduce_bucket_cap_mb(0)  # the per-unit reductions (buckets: tests/groups/test_grad_buckets.py)
     # mfsdp2's flat AdamW steps the main gradient itself: it must not keep it alive either
     opt = (torch.optim.AdamW if optimizer == "torch" else mfsdp2.optim.AdamW)(model.parameters(), lr=1e-3)
     alloc = model.allocator if allocator != "trace_pool" else None

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ..models import batch, build, loss_fn
-from ..test_cuda import run_cuda
+from ..system.test_cuda import run_cuda
 
 pytestmark = pytest.mark.cuda
 

@@ -121,7 +121,7 @@ def test_fp8_all_gather_halves_bytes_and_tracks_bf16_loss():
         assert b - f <= gathers * fp8_numel and b - f >= fp8_numel, (step, b, f, fp8_numel)
         assert f / b < 0.56, (step, f / b)  # matmul weights dominate: close to half of bf16's bytes
     # One quantisation per gather: nothing is cached between gathers, so a write through .data
-    # is quantised with its own amax (tests/memory/test_weight_writes.py); no host read decides it.
+    # is quantised with its own amax (tests/groups/test_weight_writes.py); no host read decides it.
     assert all(q == per_step * STEPS for per_step, q in quantisations), quantisations
     # Loss within 2 % of bf16's at every step, and training works.
     for step, (a, b) in enumerate(zip(fp8_losses, bf16_losses)):

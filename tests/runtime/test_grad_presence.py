@@ -9,8 +9,8 @@
 * The case it protected, ranks using different parameters (an expert that got tokens on one rank
   only), fails fast without that call -- the rank holding rows of the expert raises naming it,
   instead of silently never stepping them -- and trains like the unsharded reference with it
-  (``tests/test_parity.py::test_parameters_used_on_some_ranks_only_train_like_the_reference``).
-  A parameter no rank used keeps ``grad=None`` either way (tests/test_core.py).
+  (``tests/system/test_parity.py::test_parameters_used_on_some_ranks_only_train_like_the_reference``).
+  A parameter no rank used keeps ``grad=None`` either way (tests/system/test_core.py).
 * The CUDA check's bookkeeping (a non-blocking copy whose event is polled, never waited for,
   except when too many are in flight) with stand-in events on the CPU.
 """
@@ -31,7 +31,7 @@ from mfsdp2.runtime.grad_presence import GradientPresenceError
 
 from .._dist import run_ranks
 from ..models import F64, batch, build, loss_fn, make_opt
-from ..test_parity import _Routed
+from ..system.test_parity import _Routed
 
 WS, GB = 2, 8
 STRATEGIES = ["optim_grads_params", "optim_grads", "optim", "no_shard"]

@@ -141,7 +141,7 @@ def _run_one(rank, ws, cfg):
         fully_shard(b, mesh=mesh, reshard_after_forward=cfg.get("reshard_after_forward", True))
     fully_shard(model, mesh=mesh)
     # This file checks the per-unit reduce-scatter schedule; small units at two ranks on gloo would
-    # share bucketed all-reduces instead (tests/comm/test_grad_buckets.py).
+    # share bucketed all-reduces instead (tests/groups/test_grad_buckets.py).
     model.set_all_reduce_bucket_cap_mb(0)
     if not cfg.get("reshard_after_backward", True):
         model.set_reshard_after_backward(False)

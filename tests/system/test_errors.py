@@ -27,9 +27,9 @@ from mfsdp2.runtime.step_guard import (
     UnsyncedGradientsError,
 )
 
-from ._dist import run_ranks
-from ._pipeline_stages import without_self_links
-from .models import Net, batch, build, loss_fn
+from .._dist import run_ranks
+from .._pipeline_stages import without_self_links
+from ..models import Net, batch, build, loss_fn
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "errors.md")
 

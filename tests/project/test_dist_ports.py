@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from ._dist import held_store, port_range, worker_index
+from .._dist import held_store, port_range, worker_index
 
 
 def test_worker_ranges_are_disjoint_and_below_the_ephemeral_range():
@@ -44,7 +44,7 @@ def test_a_rank_that_dies_without_a_result_fails_the_launch_at_once():
 
     import pytest
 
-    from ._dist import run_ranks
+    from .._dist import run_ranks
 
     t0 = time.monotonic()
     with pytest.raises(AssertionError, match="rank 1 exited with code 3 without a result"):

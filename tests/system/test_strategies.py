@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from mfsdp2 import MixedPrecisionPolicy, fully_shard
 from mfsdp2.base import compat
 
-from ._dist import run_ranks
-from .models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, local_grad_rows, loss_fn, make_opt, reference_run, rel_dist, same_cast_tolerances, sharded_train_step
+from .._dist import run_ranks
+from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, local_grad_rows, loss_fn, make_opt, reference_run, rel_dist, same_cast_tolerances, sharded_train_step
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 STEPS = 6

@@ -88,9 +88,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from . import optim_cases as oc
-from ._dist import run_ranks
-from .models import F64, REL_F64, build, shard_blocks
+from .. import optim_cases as oc
+from .._dist import run_ranks
+from ..models import F64, REL_F64, build, shard_blocks
 
 WS = 2
 STRATEGIES = {

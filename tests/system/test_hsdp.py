@@ -14,8 +14,8 @@ from torch.distributed.tensor import Replicate
 from mfsdp2 import RowShard, fully_shard
 from mfsdp2.base.profiling import event_log
 
-from ._dist import run_ranks
-from .models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, reference_run, sharded_train_step
+from .._dist import run_ranks
+from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, reference_run, sharded_train_step
 
 STEPS = 6
 GLOBAL_BATCH = 8

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import gpu_check  # noqa: E402
@@ -147,7 +147,7 @@ def test_every_cuda_test_carries_the_cuda_marker():
                     offenders.append(f)
     assert offenders == []
     files = gpu_check.cuda_test_files()
-    for expected in ("tests/test_cuda.py", "tests/optim/test_optim_cuda.py", "tests/runtime/test_host_sync.py",
+    for expected in ("tests/system/test_cuda.py", "tests/optim/test_optim_cuda.py", "tests/runtime/test_host_sync.py",
                      "tests/runtime/test_profiling.py", "tests/comm/test_slow_collectives.py"):
         assert expected in files, files
 

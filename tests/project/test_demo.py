@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ._dist import free_port
+from .._dist import free_port
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ import sys
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LOWEST, TESTED = "2.11.0", "2.13.0"  # the README's range: its lower end, and the newest tested
 
 

@@ -15,8 +15,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from mfsdp2 import MixedPrecisionPolicy, RowShard, fully_shard
 from mfsdp2.comm.communicator import tensors_overlap
 
-from ._dist import run_ranks
-from .models import F64, REL_F64, Net, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, same_cast_tolerances
+from .._dist import run_ranks
+from ..models import F64, REL_F64, Net, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, same_cast_tolerances
 
 
 def _storage_span(t: torch.Tensor) -> tuple[int, int]:

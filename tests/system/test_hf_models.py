@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp2 import fully_shard
 
-from ._dist import run_ranks
+from .._dist import run_ranks
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from mfsdp2 import fully_shard
 
-from ._dist import run_ranks
-from .models import assert_close_rel, batch, build, local_grad_rows, loss_fn
+from .._dist import run_ranks
+from ..models import assert_close_rel, batch, build, local_grad_rows, loss_fn
 
 WS = 4
 GLOBAL_BATCH = 8

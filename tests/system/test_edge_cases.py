@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from mfsdp2 import fully_shard
 from mfsdp2.dtensors.tensor_parallel import _root
 
-from ._dist import run_ranks
-from .models import REL_F64, assert_close_rel, batch, build, loss_fn
+from .._dist import run_ranks
+from ..models import REL_F64, assert_close_rel, batch, build, loss_fn
 
 
 # -- zero-size trailing dimension -------------------------------------------------------------------

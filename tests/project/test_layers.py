@@ -24,7 +24,7 @@ import shutil
 
 import pytest
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "mfsdp2"
+PKG = pathlib.Path(__file__).resolve().parents[2] / "mfsdp2"
 ROOT = "mfsdp2"  # the package root's own name in declarations
 
 

@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ._dist import client_store, held_store
+from .._dist import client_store, held_store
 from mfsdp2.base import compat
 from mfsdp2.memory.allocator import DynamicAllocator
 
-from .models import batch, build, loss_fn, make_opt
+from ..models import batch, build, loss_fn, make_opt
 
 # Needs a CUDA GPU (NCCL, CUDA side streams, CUDA storage re-pointing); the gloo tests cover the CPU.
 pytestmark = pytest.mark.cuda
