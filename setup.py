@@ -46,7 +46,9 @@ setup(
     # own) when it lies in the range. 2.11 and 2.13 are the versions the suite runs on; 2.11's
     # missing APIs are bridged by mfsdp2/base/compat.py. The Makefile pins the project's own CPU
     # wheel (constraints.txt) for its venv.
-    install_requires=["torch>=2.11", "nvtx", "numpy"],
+    # nvtx is optional ([gpu]): without it mfsdp2's ranges go to torch.cuda.nvtx, which every CUDA
+    # build of torch has (mfsdp2/base/profiling.py).
+    install_requires=["torch>=2.11", "numpy"],
     extras_require={
         # torchtitan: tests/integrations runs its trainer on mfsdp2 (pinned: the test drives its
         # internals). torchtitan 0.3.0 imports triton at import time on every platform (its
@@ -58,6 +60,7 @@ setup(
         "test": ["pytest", "hypothesis", "pytest-timeout", "safetensors", "transformers",
                  "torchtitan==0.3.0", "lightning==2.6.6", "accelerate==1.15.0",
                  'triton; platform_system == "Linux" and platform_machine == "x86_64"'],
+        "gpu": ["nvtx"],  # the nvtx package's ranges (else torch.cuda.nvtx's, the same names)
         "bench": ["matplotlib"],  # benchmarks/report.py's plots (its tables need nothing)
         "hf": ["safetensors"],  # mfsdp2.checkpoint.hf imports it lazily
         # TE >= 2: te.py relies on its main_grad protocol (lazy main_grad lookup,

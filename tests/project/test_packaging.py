@@ -128,3 +128,15 @@ def test_pip_install_keeps_the_installed_torch(tmp_path):
     rc, installs, out = _dry_run(tmp_path, "2.10.0")
     assert rc != 0 or any(n == "torch" for n, _ in installs), "torch 2.10 was accepted"
     assert rc == 0 or "torch" in out, out[-3000:]
+
+
+def test_nvtx_is_an_optional_extra():
+    """NVTX ranges need no package of their own (torch.cuda.nvtx serves them on every CUDA build,
+    tests/runtime/test_profiling.py): ``nvtx`` is in the ``gpu`` extra, not a requirement."""
+    from packaging.requirements import Requirement
+
+    assert not any(Requirement(r).name == "nvtx" for r in _install_requires())
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    extras = next(kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                  for kw in node.keywords if kw.arg == "extras_require")
+    assert "nvtx" in ast.literal_eval(extras)["gpu"]
