@@ -80,7 +80,7 @@ def unshard_async(state: FSDPState) -> None:
     if state.shard_state not in (ShardState.SHARDED, ShardState.PARTIAL):
         return
     partial = state.shard_state is ShardState.PARTIAL
-    with trace_range(f"mfsdp2.unshard {state.name}"):
+    with torch._C._DisableFuncTorch(), trace_range(f"mfsdp2.unshard {state.name}"):
         event_log.record("ag_issue", state.name)
         # Before the root context exists (an explicit unshard() ahead of the first forward) there
         # is no allocator yet: the buffer takes plain memory; each buffer remembers where its
@@ -427,13 +427,21 @@ class _ForwardPass:
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once that module's backward is done; the
-    last one of a forward pass runs the unit's post-backward."""
+    last one of a forward pass runs the unit's post-backward.
+
+    Written in the ``setup_context`` form, with a vmap rule and a ``jvp``, so that ``torch.func``
+    transforms (``grad``, ``vjp``, ``jvp``, ``vmap``) can trace through a unit, as through FSDP2's
+    own function: the forward is an identity, so every derivative passes through unchanged."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, state: FSDPState, fwd_pass: _ForwardPass, *inputs: torch.Tensor):
-        ctx.state = state
-        ctx.fwd_pass = fwd_pass
+    def forward(state: FSDPState, fwd_pass: _ForwardPass, *inputs: torch.Tensor):
         return inputs
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output) -> None:
+        ctx.state, ctx.fwd_pass = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -443,6 +451,10 @@ class _PostBackward(torch.autograd.Function):
             ctx.state.open_passes -= 1
             post_backward(ctx.state)
         return (None, None) + grads
+
+    @staticmethod
+    def jvp(ctx, state_tangent, pass_tangent, *tangents: torch.Tensor):
+        return tangents
 
 
 def post_backward(state: FSDPState) -> None:
