@@ -115,8 +115,11 @@ _SLOT = _torch_state_slot()
 
 
 def register_torch_state(module: nn.Module, state: Any) -> bool:
-    """Make torch's ``fully_shard.state(module)`` return ``state``; False where this torch's
-    layout is unknown (see :func:`_torch_state_slot`)."""
+    """Make torch's ``fully_shard.state(module)`` return ``state``, and enter the module in
+    torch's composable-API registry as ``fully_shard`` -- where ``replicate()`` (torch's
+    composable DDP) and torch's other checks look for FSDP-managed modules, so that a
+    ``replicate()`` of a parent leaves the unit's parameters to the unit, as with FSDP2. False
+    where this torch's layout is unknown (see :func:`_torch_state_slot`)."""
     if _SLOT is None:
         return False
     key, func = _SLOT
@@ -124,4 +127,14 @@ def register_torch_state(module: nn.Module, state: Any) -> bool:
     if not isinstance(slot, dict):
         return False
     slot[func] = state
+    registry_key = getattr(_contract_module(), "REGISTRY_KEY", None)
+    item = getattr(_contract_module(), "RegistryItem", None)
+    if registry_key is not None and item is not None:
+        registry = module.__dict__.setdefault(registry_key, {})
+        if isinstance(registry, dict):
+            registry.setdefault("fully_shard", item())
     return True
+
+
+def _contract_module():
+    return importlib.import_module("torch.distributed._composable.contract")
