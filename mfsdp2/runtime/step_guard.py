@@ -28,6 +28,7 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .optimizer_repair import restore_collapsed
 from .shared_params import OWNER_ATTR, original_of
 from .state import RootContext, ShardState
 
@@ -113,6 +114,26 @@ def _params_of_units(keep=None) -> dict:
     }
 
 
+def _model_order(optimizer) -> tuple[dict[int, int], dict]:
+    """``(id -> index in its root model's parameter order, id -> parameter)`` of the parameters of
+    the models ``optimizer`` steps: the order ``model.parameters()`` lists them in, which
+    optimizers are built from. Other live models are left out (their parameters are not this
+    optimizer's to be missing)."""
+    order: dict[int, int] = {}
+    params: dict = {}
+    units = _params_of_units()
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for ctx in list(_contexts):
+        if not any(id(dp) in stepped for s in ctx.states for g in s.groups for dp in g.dist_params):
+            continue
+        for module in ctx.root.modules:
+            for p in module.parameters():
+                if id(p) in units and id(p) not in order:
+                    order[id(p)] = len(order)
+                    params[id(p)] = p
+    return order, params
+
+
 def _check_duplicates(optimizer) -> None:
     """Refuse an optimizer that holds a unit's parameter twice. torch's ``add_param_group`` refuses
     that too, but code that rewrites ``param_groups`` itself bypasses it -- Accelerate's
@@ -130,6 +151,8 @@ def _check_duplicates(optimizer) -> None:
             if id(p) in units:
                 seen[id(p)] = seen.get(id(p), 0) + 1
     twice = {units[k][1]: c for k, c in seen.items() if c > 1}
+    if twice and restore_collapsed(optimizer, *_model_order(optimizer)) is not None:
+        return
     if twice:
         name, count = next(iter(twice.items()))
         unit = next(units[k][0].name for k in seen if units[k][1] == name)
@@ -138,7 +161,8 @@ def _check_duplicates(optimizer) -> None:
             f"(duplicates: {sorted(twice)}): its parameter lists were rewritten outside add_param_group. "
             "Accelerate's prepare() does that, matching parameters by data_ptr(), which is 0 for every "
             "parameter this rank holds no rows of, so they all become one and the others go missing from "
-            "this rank's optimizer (its state dicts and checkpoints would be wrong). Restore the lists "
+            "this rank's optimizer (its state dicts and checkpoints would be wrong); mfsdp2 puts such lists "
+            "back when the model's parameter order proves the original, which it does not here. Restore the lists "
             "after prepare: groups = [list(g['params']) for g in optimizer.param_groups] before it, then "
             "for g, ps in zip(optimizer.param_groups, groups): g['params'] = ps"
         )
