@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..dtensors import dtensor_ops  # noqa: F401  (copy_ into RowShard parameters)
 from ..dtensors import row_propagation  # noqa: F401  (results of ops on RowShard DTensors keep RowShard)
+from ..dtensors import random_offsets  # noqa: F401  (random init of RowShard pieces on CUDA: their rows' offsets)
 from ..checkpoint import serialization  # noqa: F401  (torch.save of state dicts holding our DTensors)
 from ..memory.allocator import BucketAllocator
 from ..comm.custom import CustomCommunicator
