@@ -353,35 +353,40 @@ def _cast_output(state: FSDPState, output: Any) -> Any:
 
 
 # -- backward ---------------------------------------------------------------------------------
-def _refuse_split_backward(state: FSDPState) -> None:
-    """Refuse (E52) an input-only backward pass through a unit that resharded after forward while
-    gradients accumulate with the unit kept gathered: what torch's pipeline stages do for a
-    split-backward schedule (zero bubble, DualPipeV), whose later weight pass then gives wrong
-    gradients to such units (torch FSDP2's too). Only when this backward computes no gradient
-    for any of the unit's parameters (``_will_engine_execute_node`` of their accumulators)."""
+def _note_input_only_backward(state: FSDPState) -> None:
+    """Note (E52) a backward through a unit that resharded after forward, while gradients
+    accumulate with the unit kept gathered, that computes no gradient for any of its parameters
+    (``_will_engine_execute_node`` of their accumulators): torch's pipeline stages run such input
+    passes for split-backward schedules (zero bubble, DualPipeV), whose later weight pass cannot
+    give such a unit its gradients (torch FSDP2 computes wrong ones). Whether the weight
+    gradients were lost is known only later -- a user's input-only ``autograd.grad`` followed by a
+    full backward loses nothing -- so the note is kept until a backward computes the unit's weight
+    gradients, and the step guard refuses an optimizer step while it stands."""
     if torch.is_grad_enabled():  # create_graph=True: a gradient penalty's input gradients, not a pipeline's pass
         return
-    trainable = [p for g in state.groups if g.requires_grad for p in g.unsharded_params if p.requires_grad]
+    trainable = _trainable(state)
     if not trainable:  # frozen: no weight gradient to lose (LoRA's base blocks)
         return
-    for p in trainable:
-        if torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node):
-            return
-    raise ValueError(
-        f"mfsdp2: unit {state.name!r} reshards its weights after forward, but this backward computes "
-        "only input gradients while its weight gradients are left for a later pass (a pipeline "
-        "schedule with a separate weight pass: zero bubble, DualPipeV); that weight pass would give "
-        "the unit wrong gradients. Shard the stage's modules with fully_shard(..., "
-        "reshard_after_forward=False) (or call set_reshard_after_forward(False) on them), or use a "
-        "schedule without a separate weight pass (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)"
-    )
+    state.weights_missed = not _computes_weight_grads(trainable)
+
+
+def _trainable(state: FSDPState) -> list:
+    return [p for g in state.groups if g.requires_grad for p in g.unsharded_params if p.requires_grad]
+
+
+def _computes_weight_grads(trainable: list) -> bool:
+    """Whether the running backward computes a gradient for any of ``trainable``."""
+    return any(torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node)
+               for p in trainable)
 
 
 def _pre_backward_hook(state: FSDPState, *unused: Any) -> None:
     # Here, not in _pre_backward: a reentrant checkpoint's recompute calls that from inside the
     # outer backward, whose graph does not hold the recomputed parameters' accumulators.
     if state.reshard_after_forward and not state.requires_gradient_sync and not state.reshard_after_backward:
-        _refuse_split_backward(state)
+        _note_input_only_backward(state)
+    elif state.weights_missed and not torch.is_grad_enabled() and _computes_weight_grads(_trainable(state)):
+        state.weights_missed = False  # a later backward computed the weight gradients after all
     _pre_backward(state)
 
 

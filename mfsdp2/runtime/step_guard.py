@@ -243,9 +243,31 @@ def _check_supported(optimizer) -> None:
     _supported[optimizer] = n
 
 
+def _check_missed_weights(optimizer) -> None:
+    """Refuse (E52) a step over a unit whose weight gradients an input-only backward left to a
+    pass that never computed them (a split-backward pipeline schedule under torch's stage)."""
+    missed = [s for ctx in list(_contexts) for s in ctx.states if s.weights_missed]
+    if not missed:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for s in missed:
+        if any(id(dp) in stepped for g in s.groups for dp in g.dist_params):
+            s.weights_missed = False
+            raise ValueError(
+                f"mfsdp2: unit {s.name!r} reshards its weights after forward, but a backward computed only "
+                "input gradients through it and no backward since computed its weight gradients (a pipeline "
+                "schedule with a separate weight pass: zero bubble, DualPipeV, under torch's PipelineStage); "
+                "this step would miss them. Shard the stage's modules with fully_shard(..., "
+                "reshard_after_forward=False) (or call set_reshard_after_forward(False) on them), use "
+                "mfsdp2.integrations.pipelining.PipelineStage, or a schedule without a separate weight pass "
+                "(ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)"
+            )
+
+
 def _check(optimizer, args, kwargs) -> None:
     _check_replaced(optimizer)
     _check_supported(optimizer)
+    _check_missed_weights(optimizer)
     if torch._C._current_graph_task_id() != -1:
         return  # a step inside backward (optimizer-in-backward)
     _check_unsynced(optimizer)

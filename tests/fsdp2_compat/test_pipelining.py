@@ -288,17 +288,20 @@ def _checkpointed(net, reentrant: bool):
 
 def _input_only_backward(rank, ws):
     """The runtime's E52 check outside a schedule, with the flags torch's stage sets for each
-    micro-batch (sync off, kept gathered after backward): an input-only backward through a
-    trainable unit that reshards after forward is refused; through a frozen one (LoRA's base
-    blocks) or a kept-gathered one it is not, nor input gradients with ``create_graph`` (a gradient
-    penalty, whose full backward follows), nor a full backward with activation checkpointing (a
-    reentrant recompute runs inside the outer backward, whose graph lacks the parameters)."""
+    micro-batch (sync off, kept gathered after backward): an optimizer step after an input-only
+    backward through a trainable unit that reshards after forward, with no backward computing its
+    weight gradients since, is refused; an input-only ``autograd.grad`` followed by a full
+    backward is not (nothing was lost), nor one through a frozen unit (LoRA's base blocks) or a
+    kept-gathered one, nor input gradients with ``create_graph`` (a gradient penalty, whose full
+    backward follows), nor a full backward with activation checkpointing (a reentrant recompute
+    runs inside the outer backward, whose graph lacks the parameters)."""
     from mfsdp2 import fully_shard
 
     mesh = init_device_mesh("cpu", (ws,))
     out = {}
-    cases = (("trainable", True, False, None), ("frozen", True, True, None), ("kept", False, False, None),
-             ("penalty", True, False, None), ("reentrant", True, False, True), ("non_reentrant", True, False, False))
+    cases = (("trainable", True, False, None), ("then_full", True, False, None), ("frozen", True, True, None),
+             ("kept", False, False, None), ("penalty", True, False, None), ("reentrant", True, False, True),
+             ("non_reentrant", True, False, False))
     for case, raf, frozen, reentrant in cases:
         net = build("net", dtype=F64)
         if frozen:
@@ -314,15 +317,24 @@ def _input_only_backward(rank, ws):
         net.set_is_last_backward(False)
         x, y = batch(0, 4, net.inp.in_features, dtype=F64)
         x.requires_grad_(True)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
         try:
             loss = loss_fn(net(x), y)
             if case == "penalty":  # input gradients with create_graph, then the full backward
                 (gx,) = torch.autograd.grad(loss, [x], create_graph=True)
                 (loss + gx.square().sum()).backward()
+            elif case == "then_full":  # input gradients, then the full backward of the same graph
+                torch.autograd.grad(loss, [x], retain_graph=True)
+                loss.backward()
             elif reentrant is None:
                 torch.autograd.grad(loss, [x])
+                opt.step()  # no backward computed the weight gradients: refused
             else:
                 loss.backward()
+            net.set_requires_gradient_sync(True)
+            net.set_is_last_backward(True)
+            loss_fn(net(x), y).backward()  # the accumulation's synced micro-batch
+            opt.step()
             out[case] = None
         except ValueError as e:
             out[case] = str(e)
@@ -332,4 +344,4 @@ def _input_only_backward(rank, ws):
 def test_input_only_backward_through_resharding_trainable_units_is_refused():
     out = run_ranks(_input_only_backward, 1)[0]
     assert out["trainable"] is not None and "reshard_after_forward=False" in out["trainable"], out
-    assert all(out[c] is None for c in ("frozen", "kept", "penalty", "reentrant", "non_reentrant")), out
+    assert all(out[c] is None for c in ("then_full", "frozen", "kept", "penalty", "reentrant", "non_reentrant")), out

@@ -142,7 +142,7 @@ def test_root_mesh_lookup_lets_unexpected_errors_surface():
 # -- packaging ------------------------------------------------------------------------------------------
 def test_te_extra_requires_transformer_engine_2():
     """te.py's main_grad protocol (lazy main_grad lookup) needs TransformerEngine >= 2."""
-    path = os.path.join(os.path.dirname(__file__), "..", "setup.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "setup.py")
     tree = ast.parse(open(path).read())
     extras = next(
         kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)

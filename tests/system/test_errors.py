@@ -31,7 +31,7 @@ from .._dist import run_ranks
 from .._pipeline_stages import without_self_links
 from ..models import Net, batch, build, loss_fn
 
-DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "errors.md")
+DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "errors.md")
 
 # row id -> (exception type, fragment of the message)
 EXPECTED = {
