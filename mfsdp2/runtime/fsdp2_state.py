@@ -71,8 +71,9 @@ _RUNTIME: dict[str, Callable] = {}
 
 
 def bind_runtime(**actions: Callable) -> None:
-    """Called once by :mod:`mfsdp2.frontend.fully_shard` with the runtime's actions: ``lazy_init``,
-    ``reduce_accumulated``, ``finish_backward``, ``pre_forward`` and ``post_forward``."""
+    """Called with the runtime's actions: by :mod:`mfsdp2.frontend.fully_shard` (``lazy_init``,
+    ``reduce_accumulated``, ``finish_backward``, ``pre_forward``, ``post_forward``) and by
+    :mod:`mfsdp2.runtime.hooks` (``pre_backward``, ``post_backward``, ``in_backward``)."""
     _RUNTIME.update(actions)
 
 
@@ -215,10 +216,21 @@ class ParamGroupView:
     def is_unsharded(self) -> bool:
         return self._state.shard_state.name == "UNSHARDED"
 
-    def post_backward(self) -> None:
-        """FSDP2's: reduce the gradients the unit accumulated with gradient sync off, now (torch's
+    def pre_backward(self, *unused: Any) -> None:
+        """FSDP2's: the unit's pre-backward (gather, prefetch). The runtime calls the unit's through
+        this method once code has replaced it on the view (torch's ``FSDPMemTracker`` wraps it to
+        take memory snapshots), so the replacement sees every call, as on FSDP2."""
+        _RUNTIME["pre_backward"](self._state)
+
+    def post_backward(self, *unused: Any) -> None:
+        """FSDP2's. Inside a backward: the unit's post-backward (reshard, reduce), which the runtime
+        calls through this method once code has replaced it on the view (as :meth:`pre_backward`).
+        Outside one: reduce the gradients the unit accumulated with gradient sync off, now (torch's
         pipeline stages call it at REDUCE_GRAD, then the root's final callback)."""
-        _RUNTIME["reduce_accumulated"](self._state)
+        if _RUNTIME["in_backward"]():
+            _RUNTIME["post_backward"](self._state)
+        else:
+            _RUNTIME["reduce_accumulated"](self._state)
 
     def __repr__(self) -> str:
         return f"ParamGroupView({self._state.name!r}, {len(self.fsdp_params)} params)"
@@ -253,20 +265,52 @@ class FSDP2StateNames:
 
     @property
     def _fsdp_param_groups(self) -> list[ParamGroupView]:
-        return [ParamGroupView(self)] if any(g.dist_params for g in self.groups) else []
+        return [self.group_view()] if any(g.dist_params for g in self.groups) else []
 
     @property
     def _fsdp_param_group(self) -> Optional[ParamGroupView]:
         groups = self._fsdp_param_groups
         return groups[0] if groups else None
 
+    def group_view(self) -> ParamGroupView:
+        """The unit's one group view, made once: attributes code sets on it (a method wrapped by
+        torch's ``FSDPMemTracker``) stay, as on FSDP2's group object."""
+        if self.fsdp2_view is None:
+            self.fsdp2_view = ParamGroupView(self)
+        return self.fsdp2_view
+
+    def patched_view(self) -> Optional[ParamGroupView]:
+        """The group view if code replaced its ``pre_backward`` / ``post_backward`` (the runtime
+        then calls the unit's backward hooks through it), else None."""
+        view = self.fsdp2_view
+        if view is not None and ("pre_backward" in view.__dict__ or "post_backward" in view.__dict__):
+            return view
+        return None
+
     @property
     def _pre_forward_hook_handle(self):
         return self._hook_handle(0)
 
+    @_pre_forward_hook_handle.setter
+    def _pre_forward_hook_handle(self, handle) -> None:
+        self._set_hook_handle(0, handle)
+
     @property
     def _post_forward_hook_handle(self):
         return self._hook_handle(1)
+
+    @_post_forward_hook_handle.setter
+    def _post_forward_hook_handle(self, handle) -> None:
+        self._set_hook_handle(1, handle)
+
+    def _set_hook_handle(self, which: int, handle) -> None:
+        """FSDP2's handles are plain attributes that tools replace after removing the hooks and
+        registering their own (torch's ``FSDPMemTracker`` wraps ``_pre_forward`` /
+        ``_post_forward`` so): the new handle stands for the unit's hook from now on."""
+        pairs = self.forward_hook_handles or [(None, None)]
+        first = list(pairs[0])
+        first[which] = handle
+        self.forward_hook_handles = [tuple(first)] + [p for p in pairs[1:]]
 
     def _hook_handle(self, which: int):
         """FSDP2's: a module's own handle, or one ``_MultiHandle`` of every hook of a multi-module unit."""

@@ -45,6 +45,7 @@ from ..base.profiling import event_log, trace_range
 from .schedule import Schedule
 from ..base.structures import map_tensors, tensors_in
 from ..precision.te import attach_main_grads
+from .fsdp2_state import bind_runtime
 from .state import FSDPState, RootContext, ShardState, TrainingState, unit_state
 from . import grad_presence, step_guard
 from ..memory.offload import settle_host_reads
@@ -387,7 +388,11 @@ def _pre_backward_hook(state: FSDPState, *unused: Any) -> None:
         _note_input_only_backward(state)
     elif state.weights_missed and not torch.is_grad_enabled() and _computes_weight_grads(_trainable(state)):
         state.weights_missed = False  # a later backward computed the weight gradients after all
-    _pre_backward(state)
+    view = state.patched_view()
+    if view is not None:  # a tool wrapped FSDP2's pre_backward (torch's FSDPMemTracker): through it
+        view.pre_backward()
+    else:
+        _pre_backward(state)
 
 
 def _pre_backward(state: FSDPState, need_weights: Optional[bool] = None) -> None:
@@ -454,12 +459,22 @@ class _PostBackward(torch.autograd.Function):
         fp.pending -= 1
         if fp.pending == 0 and fp.opened:
             ctx.state.open_passes -= 1
-            post_backward(ctx.state)
+            _run_post_backward(ctx.state)
         return (None, None) + grads
 
     @staticmethod
     def jvp(ctx, state_tangent, pass_tangent, *tangents: torch.Tensor):
         return tangents
+
+
+def _run_post_backward(state: FSDPState) -> None:
+    """The unit's post-backward, through FSDP2's group object when a tool replaced its
+    ``post_backward`` (torch's ``FSDPMemTracker``), so the tool sees it as on FSDP2."""
+    view = state.patched_view()
+    if view is not None:
+        view.post_backward()
+    else:
+        post_backward(state)
 
 
 def post_backward(state: FSDPState) -> None:
@@ -543,7 +558,7 @@ def _final_callback(ctx: RootContext) -> None:
             # backward() calls (chunked loss, retain_graph, two losses), each with its own callback.
             for s in reversed(ctx.states):
                 if s.requires_gradient_sync and any(g.requires_grad and g.has_unsharded_grads() for g in s.groups):
-                    post_backward(s)
+                    _run_post_backward(s)
                 elif not s.requires_gradient_sync:  # e.g. the root, whose inputs need no grad
                     for g in s.groups:
                         if g.requires_grad:
@@ -612,3 +627,6 @@ def reset(ctx: RootContext) -> None:
     ctx.callback_queued = False
     ctx.schedule.abandon_pass()
     event_log.record("reset", ctx.root.name)
+
+
+bind_runtime(pre_backward=_pre_backward, post_backward=post_backward, in_backward=_in_backward)

@@ -107,6 +107,8 @@ class FSDPState(FSDP2StateNames):
         self.reduce_unused_params = False
         # (pre-forward, post-forward) hook handles of each module of the unit (fully_shard).
         self.forward_hook_handles: list = []
+        # FSDP2's group object for this unit, made at the first read of _fsdp_param_group(s).
+        self.fsdp2_view = None
 
     def __repr__(self) -> str:
         return f"FSDPState({self.name!r}, {self.shard_state.value}, {self.training_state.value})"
