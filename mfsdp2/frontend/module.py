@@ -480,10 +480,6 @@ def share_comm_ctx(modules: list) -> None:
     for m in modules:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"mfsdp2: share_comm_ctx expects FSDP modules, got {type(m).__name__}")
-    first = modules[0]._mfsdp2_state.comm
+    first = modules[0]._mfsdp2_state._comm_ctx
     for m in modules[1:]:
-        for s in m._units(True):
-            for c in {id(x): x for g in s.groups for x in (g.comm, g.replicate_comm, s.comm) if x is not None}.values():
-                base = c.base if isinstance(c, CustomCommunicator) else c
-                if base.device == first.device:
-                    base.share_streams(first)
+        m._mfsdp2_state._comm_ctx = first

@@ -42,8 +42,11 @@ sync off (:func:`mfsdp2.runtime.external_backward.reduce_accumulated`), and the 
 (:func:`mfsdp2.runtime.external_backward.finish_backward`), so torch's own ``PipelineStage`` reduces an mfsdp2
 stage once per step, as it does an FSDP2 one.
 
+``_comm_ctx`` is a token naming the unit's streams: torch's ``share_comm_ctx`` reads one root's
+and assigns it to the others', which makes their collectives use those streams.
+
 Not provided (reading them raises ``AttributeError``): the rest of what drives FSDP2's machinery --
-``_comm_ctx`` streams, ``post_forward_mesh_info``, padded sizes and all-gather input buffers.
+``post_forward_mesh_info``, padded sizes and all-gather input buffers.
 Writing them would change nothing in mfsdp2, so they are absent rather than silently ignored.
 
 The actions live above this file in the import order; ``fully_shard`` passes them in
@@ -236,6 +239,14 @@ class ParamGroupView:
         return f"ParamGroupView({self._state.name!r}, {len(self.fsdp_params)} params)"
 
 
+class CommContext:
+    """FSDP2's ``_comm_ctx``, as far as code outside FSDP2 uses it: a token naming the streams of
+    one communicator, handed from one root's state to another's (torch's ``share_comm_ctx``)."""
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+
+
 class FSDP2StateNames:
     """Mixin of :class:`mfsdp2.runtime.state.FSDPState`: FSDP2's private state names (module docstring)."""
 
@@ -318,6 +329,30 @@ class FSDP2StateNames:
         if len(handles) == 1:
             return handles[0][which]
         return _MultiHandle(tuple(h for pair in handles for h in pair))
+
+    @property
+    def _comm_ctx(self) -> "CommContext":
+        """FSDP2's per-root streams; torch's ``share_comm_ctx`` reads the first root's and assigns
+        it to the others'."""
+        return CommContext(self.comm)
+
+    @_comm_ctx.setter
+    def _comm_ctx(self, ctx: "CommContext") -> None:
+        """Issue the collectives of this unit and of every unit inside it on ``ctx``'s streams
+        (torch's ``share_comm_ctx``, which sets the roots' contexts: FSDP2's is per root)."""
+        states = {id(sub._mfsdp2_state): sub._mfsdp2_state for m in self.modules for sub in m.modules()
+                  if getattr(sub, "_mfsdp2_state", None) is not None}
+        for state in states.values():
+            for comm in state.communicators():
+                base = getattr(comm, "base", comm)  # a user's custom collectives wrap the communicator
+                if base.device == ctx.comm.device and base is not ctx.comm:
+                    base.share_streams(ctx.comm)
+
+    def communicators(self) -> list:
+        """Every communicator the unit's collectives go through (each once)."""
+        found = {id(c): c for g in self.groups for c in (g.comm, g.replicate_comm, g.weights.comm) if c is not None}
+        found.setdefault(id(self.comm), self.comm)
+        return list(found.values())
 
     def _root_post_backward_final_callback(self) -> None:
         """FSDP2's end of a backward, which torch's pipeline stages call at REDUCE_GRAD after each

@@ -47,3 +47,40 @@ def test_replicate_over_a_model_holding_units_equals_fsdp2():
         assert list(p_t) == list(p_m)
         for k in p_t:
             assert torch.equal(p_t[k], p_m[k]), k
+
+
+def _share(rank: int, ws: int) -> list:
+    """torch's ``share_comm_ctx`` over two mfsdp2 roots (pipeline chunks): the second root's units
+    issue on the first's streams. On the CPU there are no streams, so the first root's
+    communicator carries stand-ins for this check."""
+    from torch.distributed.fsdp import share_comm_ctx
+
+    from mfsdp2 import fully_shard
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # Two process groups over the same ranks: each root gets communicators of its own.
+    meshes = [init_device_mesh("cpu", (ws,)), DeviceMesh.from_group(dist.new_group(list(range(ws))), "cpu")]
+    roots = []
+    for mesh in meshes:
+        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        fully_shard(m[0], mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        roots.append(m)
+    first = roots[0]._mfsdp2_state.comm
+    saved = (first.ag_stream, first.rs_stream, first.ar_stream)
+    first.ag_stream, first.rs_stream, first.ar_stream = "ag", "rs", "ar"
+    try:
+        share_comm_ctx(roots)
+        second = [c for s in (roots[1]._mfsdp2_state, roots[1][0]._mfsdp2_state) for c in s.communicators()]
+        assert all(c is not first for c in second)
+        return [(c.ag_stream, c.rs_stream, c.ar_stream) for c in second]
+    finally:
+        for c in [first] + second:
+            c.ag_stream, c.rs_stream, c.ar_stream = saved
+
+
+def test_torch_share_comm_ctx_shares_streams():
+    for streams in run_ranks(_share, 2):
+        assert streams and all(s == ("ag", "rs", "ar") for s in streams), streams
