@@ -190,6 +190,11 @@ class CommHandle:
         self._error: Optional[CollectiveError] = None
         self.label = label
 
+    @property
+    def event(self):
+        """The CUDA event after the collective on its stream (None: none, or already waited)."""
+        return self._event
+
     def wait(self) -> None:
         if self._error is not None:
             raise CollectiveError(str(self._error)) from self._error
@@ -365,14 +370,25 @@ class Communicator:
             self._host = Communicator(_host_groups[ranks], torch.device("cpu"))
         return self._host
 
-    def _launch(self, stream, fn, label: str = "") -> CommHandle:
+    def _launch(self, stream, fn, label: str = "", after: Optional[CommHandle] = None) -> CommHandle:
         """Issue ``fn(async_op)``: on CPU asynchronously (its work waited at ``wait()``); on CUDA
         inside ``stream`` after it waited on the current stream, with ``async_op=False`` on a
         stream-ordered backend (the call only enqueues) and ``async_op=True`` on any other (gloo:
-        its work is waited too, which orders the current stream after the data moved)."""
+        its work is waited too, which orders the current stream after the data moved).
+
+        ``after``: a collective whose output this one reads. On a stream it is ordered on the
+        device (the side stream waits on its event: neither the host nor the compute stream
+        stalls); without streams, or when ``after`` has no event, the host waits for it first."""
         if stream is None:
+            if after is not None:
+                after.wait()
             return CommHandle(work=fn(True), label=label)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            if after.event is not None:
+                stream.wait_event(after.event)
+            else:
+                after.wait()
         with torch.cuda.stream(stream):
             work = None if self.stream_ordered else fn(True)
             if self.stream_ordered:
@@ -534,7 +550,8 @@ class Communicator:
         return CommHandle(work=works, then=reduce, label=label)
 
     def all_reduce(
-        self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None, label: str = ""
+        self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None, label: str = "",
+        after: Optional[CommHandle] = None,
     ) -> CommHandle:
         """All-reduce in place. ``AVG`` works on every backend: gloo has no AVG all-reduce, so
         there it is a SUM followed by a division when the handle is waited on."""
@@ -543,6 +560,8 @@ class Communicator:
         comm_stats.all_reduce_calls += 1
         comm_stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
         if n == 1:
+            if after is not None:
+                after.wait()
             return _DONE
         if group is self.group:
             self.verify(label, tensor.numel())
@@ -550,7 +569,7 @@ class Communicator:
         emulate_avg = op == dist.ReduceOp.AVG and not native_avg
         wire_op = dist.ReduceOp.SUM if emulate_avg else op
         handle = self._launch(
-            self.ar_stream, lambda a: dist.all_reduce(tensor, op=wire_op, group=group, async_op=a), label
+            self.ar_stream, lambda a: dist.all_reduce(tensor, op=wire_op, group=group, async_op=a), label, after
         )
         if not emulate_avg:
             return handle

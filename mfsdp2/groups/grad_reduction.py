@@ -58,6 +58,9 @@ class PendingReduction:
     bucket: Optional[Bucket] = None  # the reduction is its share of this bucket's all-reduce
     buckets: Optional[GradientBuckets] = None
     post_divide: Optional[float] = None  # divide the reduced result by this (ReducePlan.post_divide)
+    # HSDP on stream-ordered backends: the shard group's collective, whose output the replicas'
+    # all-reduce (``handle``) was chained to at issue; its buffers go back when both are done.
+    chained: Optional[CommHandle] = None
     final: bool = True  # issued in the step's last backward (see GradientReduction.reduce_final)
 
 
@@ -262,6 +265,15 @@ class GradientReduction(MainGradient):
                 n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, op, full.element_size())
                 scratch = allocator.allocate(("rs_recv", key), n_scratch, self.reduce_dtype, self.device) if n_scratch else None
                 handle = self.weights.reduce_scatter(full, out, op, scratch, label)
+            if all_reduce and self.chains_all_reduce:
+                # FSDP2's order: the replicas' all-reduce follows the reduce-scatter on the device at
+                # once, not at the next drain behind the next unit's backward kernels.
+                ar = self.replicate_comm.all_reduce(out, replicate_op, label=f"all-reduce across replicas of {self.name}",
+                                                    after=handle)
+                self._pending_reduce = PendingReduction(ar, direct, out, tuple(has_grad), key, all_reduce, replicate_op,
+                                                        stage=ReduceStage.REPLICAS, post_divide=plan.post_divide,
+                                                        final=self.reduce_final, chained=handle)
+                return False
         self._pending_reduce = PendingReduction(handle, direct, out, tuple(has_grad), key, all_reduce, replicate_op,
                                               post_divide=plan.post_divide, final=self.reduce_final)
         return False
@@ -299,6 +311,19 @@ class GradientReduction(MainGradient):
             stage=ReduceStage.REPLICAS, bucket=bucket, buckets=buckets, post_divide=plan.post_divide, final=self.reduce_final,
         )
         buckets.packed(bucket)
+
+    @property
+    def chains_all_reduce(self) -> bool:
+        """Whether the replicas' all-reduce is issued right behind the shard group's collective
+        (HSDP, no partial sum to add first, both collectives on stream-ordered backends: the
+        device orders them, so nothing waits on the host)."""
+        return (self.replicate_comm is not None and self.partial is None
+                and self.comm.stream_ordered and self.replicate_comm.stream_ordered)
+
+    @property
+    def reduce_chained(self) -> bool:
+        """Whether the pending reduction's all-reduce across replicas was issued with it."""
+        return self._pending_reduce is not None and self._pending_reduce.chained is not None
 
     @property
     def reduce_bucket(self):
@@ -395,6 +420,11 @@ class GradientReduction(MainGradient):
         if p is None:
             return True
         p.handle.wait()
+        if p.chained is not None:  # the shard group's collective ended before the all-reduce
+            p.chained.wait()
+            p.chained = None
+            if not self.all_reduces_full:
+                self._free_reduce_buffers(allocator, p.key)
         out = p.out
         with torch.no_grad():
             if p.stage is ReduceStage.SHARD_GROUP:

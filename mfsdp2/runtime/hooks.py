@@ -503,6 +503,8 @@ def post_backward(state: FSDPState) -> None:
                     issued = True  # its own collective (a bucketed one is finished by the buckets)
             if issued:
                 event_log.record("rs_issue", state.name)
+                if any(g.reduce_chained for _, g in reducing):
+                    event_log.record("ar_issue", state.name)  # chained behind the reduce-scatter
                 for q in (ctx.reduce_queue, ctx.allreduce_queue):
                     if state in q:
                         q.remove(state)

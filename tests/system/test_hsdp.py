@@ -112,3 +112,47 @@ def test_hsdp_2x2_matches_reference_and_accumulates_with_one_all_reduce(tmp_path
             start, g = grads[name]
             if g.numel():
                 assert_close_rel(g, ref[start : start + g.shape[0]], f"accumulated grad {name} rank {rank}", REL_F64)
+
+
+def _chained(rank, ws):
+    """HSDP with both collectives on a stream-ordered backend (NCCL's path, forced here on gloo's
+    CPU communicators: without streams the host orders them instead): each unit's all-reduce
+    across replicas is issued right behind its reduce-scatter, before any other unit's backward
+    begins, as FSDP2 chains them; the gradients are the unchained path's, bit for bit."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for chained in (False, True):
+        model = _wrap(build("net", dtype=F64), mesh, "optim_grads_params")
+        comms = {id(c): c for m in model.modules() if hasattr(m, "_mfsdp2_state")
+                 for c in m._mfsdp2_state.communicators()}
+        saved = {k: c.stream_ordered for k, c in comms.items()}
+        for c in comms.values():
+            c.stream_ordered = chained
+        n = GLOBAL_BATCH // ws
+        x, y = batch(0, GLOBAL_BATCH, 12, dtype=F64)
+        event_log.enabled = True
+        event_log.clear()
+        try:
+            loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
+            ev = [(k, u) for k, u in event_log.events if k in ("rs_issue", "ar_issue", "backward_begin")]
+        finally:
+            event_log.enabled = False
+            for k, c in comms.items():
+                c.stream_ordered = saved[k]
+        out[chained] = (ev, {k: q.grad.to_local().clone() for k, q in model.named_parameters()})
+    return out
+
+
+@pytest.mark.slow
+def test_hsdp_all_reduce_chained_behind_reduce_scatter_on_stream_ordered_backends():
+    for res in run_ranks(_chained, 4):
+        ev, grads = res[True]
+        issued = [i for i, (k, _) in enumerate(ev) if k == "rs_issue"]
+        assert issued
+        for i in issued:  # the unit's all-reduce follows its reduce-scatter at once
+            assert ev[i + 1] == ("ar_issue", ev[i][1]), ev
+        plain_ev, plain = res[False]
+        # unchained (gloo's own path): some unit's all-reduce waits for a later drain
+        assert any(plain_ev[i + 1] != ("ar_issue", u) for i, (k, u) in enumerate(plain_ev[:-1]) if k == "rs_issue"), plain_ev
+        for k, g in plain.items():
+            assert torch.equal(grads[k], g), k
