@@ -100,7 +100,6 @@ def reference_run(
     (a compiled step computes bias corrections from a float32 step tensor, eager from a float)."""
     torch.set_num_threads(1)
     model = build(kind, dtype=dtype)
-    d_in = model.inp.in_features
     opt = make_opt(opt_kind, [p for p in model.parameters() if p.requires_grad])
     if compile_step:
         opt.step = torch.compile(opt.step, backend="aot_eager")

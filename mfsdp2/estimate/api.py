@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..base import compat
 from ..precision.mixed_precision import MixedPrecisionPolicy
 from ..base.strategy import ShardingStrategy
-from .plan import OPTIMIZERS, UnitsArg, _itemsize, optimizer_temp_bytes, persistent_bytes, plan_units, resolve_units
+from .plan import OPTIMIZERS, UnitsArg, optimizer_temp_bytes, persistent_bytes, plan_units, resolve_units
 from .report import AT_PEAK_ORDER, MemoryEstimate, _ROLE_CATEGORY
 from .held import ALLOCATORS
 from .step import StepConfig, default_marks, simulate, transient_at_peak
@@ -137,7 +137,6 @@ def estimate_memory(
 
     named = resolve_units(model, units)
     plans = plan_units(named, shard_world, mp, shard_dims)
-    ranks = range(shard_world)
     if spec.flat:  # mfsdp2.optim.AdamW: counters beside the states; bfloat16 moments keep them on the host
         step_on_device = device == "cpu" or spec.state_dtype is None
     else:

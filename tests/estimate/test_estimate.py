@@ -5,7 +5,6 @@ the activations within stated tolerances)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess

@@ -22,7 +22,6 @@ of this small model's units.
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.distributed.device_mesh import init_device_mesh
 import torch.distributed as dist
 

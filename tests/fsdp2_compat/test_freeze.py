@@ -6,7 +6,6 @@ buffers), never silently ignored."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 

@@ -22,7 +22,6 @@ helpers refuse such models (E43) and tensor-parallel parameters refuse ``Shard(1
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 

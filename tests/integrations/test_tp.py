@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from mfsdp2 import fully_shard
 
 from .._dist import run_ranks
-from ..models import F64, REL_F64, Net, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, reference_run, reference_step, sharded_train_step
+from ..models import F64, REL_F64, Net, assert_close_rel, assert_losses_close, build, make_opt, reference_run, reference_step, sharded_train_step
 
 STEPS = 6
 GLOBAL_BATCH = 8

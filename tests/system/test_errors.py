@@ -219,7 +219,6 @@ def _rows_ws1(rank, ws):
     tp = parallelize_module(nn.Linear(3, 3), mesh2["tp"], ColwiseParallel())
     _capture(out, "E41", lambda: fully_shard(tp, mesh=mesh2["dp"], sharding_strategy="no_shard"))
     _capture(out, "E42", lambda: MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16))
-    from mfsdp2.checkpoint import state_dict as msd
 
     _capture(out, "E44", lambda: fully_shard(nn.LazyLinear(3), mesh=mesh))
     _capture(out, "E45", lambda: fully_shard(nn.ModuleList([nn.Linear(3, 3)]), mesh=mesh))
