@@ -189,12 +189,14 @@ def main() -> None:
         peak = max(r["peak"] for r in rs)
         out.append(dict(case=r0["case"], dim=r0["dim"], lib=r0["lib"], unshard_s=unshard, step_s=step, peak_bytes=peak,
                         placement=r0["placement"]))
-        rows.append([r0["case"], f"Shard({r0['dim']})", r0["lib"], f"{unshard * 1e3:.1f}", f"{step * 1e3:.1f}", C.fmt_bytes(peak)])
+        rows.append([r0["case"], f"Shard({r0['dim']})", r0["lib"], f"{unshard * 1e3:.1f}", f"{step * 1e3:.1f}",
+                     C.fmt_bytes(peak)])
     print(f"other processes used {quiet:.0%} of the CPUs before the run")
     C.print_table(["weight", "placement", "runtime", "unshard+reshard ms", "step ms", "step peak RSS"], rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(machine=C.machine_info(), when=C.now_iso(), iters=args.iters, quiet=quiet, results=out), f, indent=1)
+            json.dump(dict(machine=C.machine_info(), when=C.now_iso(), iters=args.iters, quiet=quiet, results=out), f,
+                      indent=1)
 
 
 if __name__ == "__main__":
