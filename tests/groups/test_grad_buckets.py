@@ -27,7 +27,10 @@ from mfsdp2.groups.grad_buckets import BucketMemberHandle, GradientBuckets, _pla
 from mfsdp2.memory.allocator import CachingAllocator
 
 from .._dist import run_ranks
-from ..models import F64, REL_F64, Net, assert_close_rel, assert_losses_close, batch, loss_fn, make_opt, reference_run, sharded_train_step
+from ..models import (
+    F64, REL_F64, Net, assert_close_rel, assert_losses_close, batch, loss_fn, make_opt, reference_run,
+    sharded_train_step,
+)
 
 GLOBAL_BATCH = 8
 STEPS = 5
