@@ -144,7 +144,8 @@ def main() -> None:
             case["framework"],
             f"{s['median'] * 1e3:.0f} ({s['p10'] * 1e3:.0f}-{s['p90'] * 1e3:.0f})",
             f"{case['step_ratio_vs_fsdp2_tuned']:.2f}", f"{case['step_ratio_vs_fsdp2']:.2f}",
-            "n/a" if a.get("underlying_allocations_per_step") is None else f"{a['underlying_allocations_per_step']:.1f}",
+            ("n/a" if a.get("underlying_allocations_per_step") is None
+             else f"{a['underlying_allocations_per_step']:.1f}"),
             C.fmt_bytes(a.get("transient_peak_bytes")),
             C.fmt_bytes(a.get("held_bytes")),
             C.fmt_bytes(case["peak_rss_over_idle_bytes"]),

@@ -58,7 +58,8 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     sw = sum(w)
     mx = sum(wi * x for wi, x in zip(w, xs)) / sw
     my = sum(wi * y for wi, y in zip(w, ys)) / sw
-    beta = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+    beta = (sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys))
+            / sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs)))
     return my - beta * mx, beta
 
 
@@ -187,7 +188,8 @@ def predict(r0: dict, ab: dict, name: str) -> dict:
     def coll(kind: str, nbytes: float) -> float:
         return ab[kind]["alpha_s"] + ab[kind]["beta_s_per_byte"] * nbytes if nbytes else 0.0
 
-    root = Unit("root", comp["root_fwd"], comp["root_bwd"], coll("all_gather", sizes[0]), coll("reduce_scatter", sizes[0]))
+    root = Unit("root", comp["root_fwd"], comp["root_bwd"], coll("all_gather", sizes[0]),
+                coll("reduce_scatter", sizes[0]))
     layers = [Unit(f"unit{i}", f, b, coll("all_gather", n), coll("reduce_scatter", n))
               for i, (f, b, n) in enumerate(zip(comp["fwd"], comp["bwd"], sizes[1:]))]
     # The model's collectives are the ones mfsdp2 issued: every unit gathered in forward, all but
@@ -223,7 +225,8 @@ def main() -> None:
         entry = {"alpha_beta": ab, "alpha_beta_rank0": ranks[0]["alpha_beta"], "models": {}}
         for name in models:
             pred = predict(ranks[0], ab, name)
-            measured = {d: statistics.median(C.max_over_ranks([r["models"][name]["mfsdp2"]["step_s"][d] for r in ranks]))
+            measured = {d: statistics.median(C.max_over_ranks([r["models"][name]["mfsdp2"]["step_s"][d]
+                                                               for r in ranks]))
                         for d in DEPTHS}
             entry["models"][name] = {"predicted": pred, "measured_s": measured,
                                      "comm_bytes_per_step": ranks[0]["models"][name]["mfsdp2"]["comm_bytes_per_step"],

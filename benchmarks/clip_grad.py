@@ -36,8 +36,10 @@ def _rank(rank: int, ws: int, name: str, reps: int) -> dict:
         C.loss_fn(name, m(x), y).backward()
     calls = {
         "mfsdp2.clip_grad_norm_ (mfsdp2 model)": lambda: mfsdp2.clip_grad_norm_(models["mfsdp2"], 1e9),
-        "torch clip_grad_norm_ (mfsdp2 model)": lambda: torch.nn.utils.clip_grad_norm_(models["mfsdp2"].parameters(), 1e9),
-        "torch clip_grad_norm_ (FSDP2 model)": lambda: torch.nn.utils.clip_grad_norm_(models["fsdp2"].parameters(), 1e9),
+        "torch clip_grad_norm_ (mfsdp2 model)":
+            lambda: torch.nn.utils.clip_grad_norm_(models["mfsdp2"].parameters(), 1e9),
+        "torch clip_grad_norm_ (FSDP2 model)":
+            lambda: torch.nn.utils.clip_grad_norm_(models["fsdp2"].parameters(), 1e9),
     }
     times = {k: [] for k in calls}
     norms = {}

@@ -424,7 +424,8 @@ def _print_cases(cases: list[dict]) -> None:
                 f"{c['model']}/{c['config']}", fw,
                 f"{d['step_s_median']*1e3:.1f} ({d['step_s_p10']*1e3:.0f}-{d['step_s_p90']*1e3:.0f})",
                 f"{rate:,.0f} {c['item_unit'][:3]}", C.fmt_bytes(d["wire_bytes_per_step"]),
-                f"{d['collectives_per_step']:g}" + (f" + {d['p2p_ops_per_step']:g} p2p" if d["p2p_ops_per_step"] else ""),
+                f"{d['collectives_per_step']:g}"
+                + (f" + {d['p2p_ops_per_step']:g} p2p" if d["p2p_ops_per_step"] else ""),
                 C.fmt_bytes(d["peak_tensor_bytes"]),
                 C.fmt_bytes(d["peak_rss_bytes"]), f"{d['step_over_floor']:.2f}",
                 f"{d['cpu_s_per_step_per_rank'] / d['step_s_median']:.2f}",
@@ -432,7 +433,8 @@ def _print_cases(cases: list[dict]) -> None:
     C.print_table(hdr, rows)
     print()
     hdr = ["case", "compute ms", "comm ms (CPU/wall)", "step / tuned", "step / default", "floor / tuned",
-           "tensor-mem / tuned", "tensor-mem / default", "peak / bound", "bound / tuned", "RSS / tuned", "wire / tuned", "mfsdp2 wire/theory",
+           "tensor-mem / tuned", "tensor-mem / default", "peak / bound", "bound / tuned", "RSS / tuned", "wire / tuned",
+           "mfsdp2 wire/theory",
            "overhead / tuned", "overhead / default", "loss diff (default, tuned)", "other load"]
     rows = []
     for c in cases:

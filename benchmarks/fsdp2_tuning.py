@@ -88,7 +88,8 @@ def combine(per_rank: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default=None, help="comma list of model:config (default mlp:fp32,mlp:bf16,llama:fp32,tiny:fp32)")
+    p.add_argument("--cases", default=None,
+                   help="comma list of model:config (default mlp:fp32,mlp:bf16,llama:fp32,tiny:fp32)")
     p.add_argument("--candidates", default=",".join(C.FSDP2_TUNINGS), help="comma list of _common.FSDP2_TUNINGS keys")
     p.add_argument("--steps", type=int, default=10, help="timed rounds (default 10; tiny x4)")
     p.add_argument("--warmup", type=int, default=2)

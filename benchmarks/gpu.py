@@ -5,7 +5,8 @@ Launch one process per visible GPU::
     torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" benchmarks/gpu.py \\
         [--peak-tflops 989] [--steps 20] [--batch 2] [--seq 2048] [--json gpu.json]
 
-Every framework (mfsdp2, FSDP2 as shipped, FSDP2 tuned) is built on every rank from the same seed (``mfsdp2.models.llama.Transformer``:
+Every framework (mfsdp2, FSDP2 as shipped, FSDP2 tuned) is built on every rank from the same seed
+(``mfsdp2.models.llama.Transformer``:
 dim 2048, 16 layers, 32 heads, 8 KV heads, SwiGLU 8192, vocab 32000, untied output: 1.14B params),
 each ``TransformerBlock`` and then the root are ``fully_shard``-ed, and both train with AdamW on the
 same random token batches. Timing alternates blocks of ``--block`` steps (mfsdp2, FSDP2, FSDP2,
@@ -282,7 +283,8 @@ def _bench(a, device, rank: int, ws: int) -> dict:
         if device.type == "cuda":
             own_peak = max(resident[fw], 0) + peaks[fw]
             # resident memory of the other framework is the only thing subtracted
-            own_peak, alloc_peak, reserved_peak = (int(v) for v in rank_max([own_peak, max_alloc[fw], max_reserved[fw]]))
+            own_peak, alloc_peak, reserved_peak = (
+                int(v) for v in rank_max([own_peak, max_alloc[fw], max_reserved[fw]]))
         out[fw] = {"times": rank_max(times[fw]), "collectives": C.summarize_records(coll[fw], a.steps),
                    "resident_bytes": resident[fw], "other_resident_bytes": others,
                    "peak_bytes": own_peak, "max_memory_allocated": alloc_peak,

@@ -5,7 +5,8 @@
 For each world size, spawned gloo ranks run ``compare_fsdp2``'s memory phase for mfsdp2 alone
 (fresh model, one warm-up step, then steps under ``mfsdp2.memory.memory_bound.StepMemoryTracker``:
 torch's ``MemTracker`` with mfsdp2's shards and everything its allocator holds registered, the
-``peak_tensor_bytes`` that ``compare_fsdp2.py`` reports, the max over ranks); beside it, :func:`estimate_for` predicts the same case from a meta-device build in the
+``peak_tensor_bytes`` that ``compare_fsdp2.py`` reports, the max over ranks); beside it,
+:func:`estimate_for` predicts the same case from a meta-device build in the
 parent, before any rank exists. Reported per case: both peaks and ``estimate_error`` =
 (estimate - measured) / measured. ``compare_fsdp2.py`` reports the same error per case under
 ``ratio`` from :func:`estimate_for`.

@@ -177,11 +177,13 @@ def main() -> None:
                            "speedup_vs_best_pytorch": best_s / med["native"],
                            "speedup_vs_reference": med["reference"] / med["native"],
                            "ships": best_s / med["native"] >= SHIP}
-            print(f"{name:6} {kernel:10} native {med['native'] * 1e3:8.2f} ms  reference {med['reference'] * 1e3:8.2f} ms  "
+            print(f"{name:6} {kernel:10} native {med['native'] * 1e3:8.2f} ms  "
+                  f"reference {med['reference'] * 1e3:8.2f} ms  "
                   f"best PyTorch ({best}) {best_s * 1e3:8.2f} ms  -> {best_s / med['native']:5.2f}x "
                   f"{'ships' if res[kernel]['ships'] else 'below 1.5x'}", flush=True)
             for k in torch_fns:
-                print(f"         {k:<40} {med[k] * 1e3:8.2f} ms{'' if k in valid else '  (result differs: not counted)'}")
+                print(f"         {k:<40} {med[k] * 1e3:8.2f} ms"
+                      f"{'' if k in valid else '  (result differs: not counted)'}")
         out["cases"][name] = res
     if args.json:
         with open(args.json, "w") as f:

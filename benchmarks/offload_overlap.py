@@ -96,8 +96,8 @@ def run(models, steps: int, warmup: int) -> dict:
             "last_losses": losses,
             "losses_agree": agree,
         }
-        print(name, json.dumps(out["models"][name]["step_ms_median"]), json.dumps(out["models"][name]["ratio_vs_mfsdp2_offload"]),
-              flush=True)
+        print(name, json.dumps(out["models"][name]["step_ms_median"]),
+              json.dumps(out["models"][name]["ratio_vs_mfsdp2_offload"]), flush=True)
         if not agree:
             raise SystemExit(f"{name}: the losses differ: {losses}")
     return out

@@ -11,7 +11,8 @@ each (the gradients then stay as they are), and builds one optimizer per (model,
 all ``lr=1e-3, weight_decay=0.01``: torch's ``AdamW`` with ``foreach=True`` (its CPU default when
 asked for speed), ``fused=True`` (torch's fastest CPU AdamW) and the for-loop (``foreach=False``,
 its default on CPU), and ``mfsdp2.optim.AdamW`` (default flags: the native flat step; and with
-``state_dtype=torch.bfloat16``: 20 bytes per element) on mfsdp2's parameters. "flat" is torch's AdamW over mfsdp2's flat main-weight shards as plain tensors (one
+``state_dtype=torch.bfloat16``: 20 bytes per element) on mfsdp2's parameters.
+"flat" is torch's AdamW over mfsdp2's flat main-weight shards as plain tensors (one
 per parameter group, its flat main-gradient shard as ``.grad``, padding included): the floor of
 a per-shard torch step. A timed round steps every optimizer once, the order rotated each round, a
 barrier before each step; a step's time is the max over the ranks, the figure the median over
@@ -20,7 +21,8 @@ the rounds. Stepping changes the weights, which does not change the work.
 Bandwidth: both ranks at once (as they step), an in-place ``a += s * b`` over arrays of 256 MiB
 or the last-level cache's size, whichever is larger (12 bytes per element: two reads, one write,
 no write-allocate -- the access pattern of AdamW's in-place updates) and a copy (8 bytes per
-element as STREAM counts it); the best of five, per rank. AdamW must move 28 bytes per float32 element it steps (read parameter, gradient and both
+element as STREAM counts it); the best of five, per rank.
+AdamW must move 28 bytes per float32 element it steps (read parameter, gradient and both
 moments; write parameter and moments; 36 with amsgrad): ``bytes/s = 28 x elements on the rank /
 step time``, reported as a fraction of the in-place triad's rate.
 
@@ -84,7 +86,7 @@ def _bandwidth(repeats: int = 5) -> dict:
     return out
 
 
-def _rank(rank: int, ws: int, name: str, rounds: int) -> dict:
+def _step_times(rank: int, ws: int, name: str, rounds: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from mfsdp2.optim import AdamW as FlatAdamW
@@ -123,8 +125,12 @@ def _rank(rank: int, ws: int, name: str, rounds: int) -> dict:
             times[k].append(time.perf_counter() - t0)
     elements = sum(p.to_local().numel() for p in models["mfsdp2"].parameters())
     counts = {k: len(v()) for k, v in params.items()}
-    del opts, models, flat, params  # free their memory before the bandwidth arrays
-    return {"times": times, "errors": errors, "params": counts, "elements": elements, "bandwidth": _bandwidth()}
+    return {"times": times, "errors": errors, "params": counts, "elements": elements}
+
+
+def _rank(rank: int, ws: int, name: str, rounds: int) -> dict:
+    # The models and optimizers are _step_times' locals: their memory is freed before the bandwidth arrays.
+    return {**_step_times(rank, ws, name, rounds), "bandwidth": _bandwidth()}
 
 
 def _tiny(steps: int) -> dict:
@@ -165,14 +171,16 @@ def main() -> None:
         elements = max(r["elements"] for r in res)
         bw = {k: min(r["bandwidth"][k] for r in res) for k in ("triad_inplace", "copy")}
         achieved = ADAMW_BYTES * elements / ours
-        summary = {"ours_s": ours, "bandwidth_array_bytes": res[0]["bandwidth"]["array_bytes"], "torch_fastest": best_key, "torch_fastest_s": med[best_key],
+        summary = {"ours_s": ours, "bandwidth_array_bytes": res[0]["bandwidth"]["array_bytes"],
+                   "torch_fastest": best_key, "torch_fastest_s": med[best_key],
                    "speedup_vs_torch_fastest": med[best_key] / ours,
                    "speedup_vs_flat_fused": med["flat fused"] / ours if "flat fused" in med else None,
                    "elements_per_rank": elements, "adamw_bytes_per_s": achieved,
                    "bandwidth_bytes_per_s": bw, "fraction_of_bandwidth": achieved / bw["triad_inplace"]}
         print(f"  {OURS:<14} {ours * 1e3:7.2f} ms: {summary['speedup_vs_torch_fastest']:.2f}x torch's fastest "
               f"({best_key}, {med[best_key] * 1e3:.2f} ms)"
-              + (f", {summary['speedup_vs_flat_fused']:.2f}x fused AdamW on the flat shards" if summary["speedup_vs_flat_fused"] else ""))
+              + (f", {summary['speedup_vs_flat_fused']:.2f}x fused AdamW on the flat shards"
+                 if summary["speedup_vs_flat_fused"] else ""))
         print(f"  bandwidth per rank (both ranks at once): in-place triad {bw['triad_inplace'] / 1e9:.2f} GB/s, "
               f"copy {bw['copy'] / 1e9:.2f} GB/s; {OURS} moves {ADAMW_BYTES} B x {elements / 1e6:.2f} M elements "
               f"= {achieved / 1e9:.2f} GB/s ({100 * summary['fraction_of_bandwidth']:.0f} % of the triad)")

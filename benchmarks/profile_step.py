@@ -67,7 +67,8 @@ def worker(rank: int, ws: int, args: dict) -> dict:
         ranges = [d for d in events if d["name"].startswith("mfsdp2.")]
         if args["trace"]:
             os.makedirs(args["trace"], exist_ok=True)
-            prof.export_chrome_trace(os.path.join(args["trace"], f"{fw}_{args['model']}_{args['config']}_rank{rank}.json"))
+            prof.export_chrome_trace(
+                os.path.join(args["trace"], f"{fw}_{args['model']}_{args['config']}_rank{rank}.json"))
         out[fw] = {
             "wall_s": wall / args["steps"],
             "cpu_s": cpu / args["steps"],

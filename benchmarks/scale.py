@@ -316,20 +316,20 @@ def main() -> None:
         for shape in meshes:
             r = _run("memory", {"model": name, "mesh": shape})
             n, P, Pu = r["shard_group"], r["params"], r["largest_unit_params"]
-            r["total_bytes"] = sum(r[k] for k in ("main_weight_bytes", "main_grad_bytes", "adam_bytes", "gathered_bytes",
-                                                  "grad_buffer_bytes"))
+            r["total_bytes"] = sum(r[k] for k in ("main_weight_bytes", "main_grad_bytes", "adam_bytes",
+                                                  "gathered_bytes", "grad_buffer_bytes"))
             r["formula_bytes"] = 16 * P / n + 6 * Pu  # ZeRO-3 + the largest unit gathered (bf16) and its fp32 grads
             r["padding_fraction"] = r["padding_numel"] / P
             result["memory"].append(r)
             print(f"{name:>5} {_mesh_name(shape):>6} {_gib(r['main_weight_bytes'])} {_gib(r['main_grad_bytes'])} "
                   f"{_gib(r['adam_bytes'])} {_gib(r['gathered_bytes'])} {_gib(r['grad_buffer_bytes'])} "
                   f"{_gib(r['total_bytes'])} {_gib(r['formula_bytes'])} {r['total_bytes'] / r['formula_bytes']:6.3f} "
-                  f"{100 * r['padding_fraction']:7.3f}% {r['fully_shard_allocated_bytes']:7d} {r['fully_shard_s']:7.2f} "
-                  f"{r['layout_planning_s']:6.3f}")
+                  f"{100 * r['padding_fraction']:7.3f}% {r['fully_shard_allocated_bytes']:7d} "
+                  f"{r['fully_shard_s']:7.2f} {r['layout_planning_s']:6.3f}")
 
     print("\nNarrow model (dim 64), trace-pool allocator: setup times (s) and steady-state step (ms)")
-    print(f"{'layers':>6} {'mesh':>6} {'shard_s':>7} {'init_s':>6} {'plan_s':>6} {'pool_ms':>7} {'step':>7} {'fwd_bwd':>7} "
-          f"{'colls':>5} {'coll':>7} {'compute':>7} {'own':>7} {'own/u':>6} {'optim':>7}")
+    print(f"{'layers':>6} {'mesh':>6} {'shard_s':>7} {'init_s':>6} {'plan_s':>6} {'pool_ms':>7} {'step':>7} "
+          f"{'fwd_bwd':>7} {'colls':>5} {'coll':>7} {'compute':>7} {'own':>7} {'own/u':>6} {'optim':>7}")
     for layers in ([16] if args.quick else [16, 126]):
         for shape in meshes:
             r = _run("step", {"layers": layers, "mesh": shape})

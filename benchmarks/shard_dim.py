@@ -75,7 +75,6 @@ def _time(fn, iters: int) -> list[float]:
 def worker(rank: int, ws: int, iters: int) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_shard
-    from torch.distributed.tensor import Shard
 
     import mfsdp2
 
@@ -85,35 +84,40 @@ def worker(rank: int, ws: int, iters: int) -> list[dict]:
     for case in ("ffn", "experts"):
         for dim in (0, 1):
             for lib, shard in libs.items():
-                model, d_in = _model(case)
-                shard(model, mesh=mesh, reshard_after_forward=True, shard_placement_fn=lambda p, d=dim: Shard(d))
-                x = torch.randn(TOKENS, d_in, generator=torch.Generator().manual_seed(rank))
-
-                def unshard():
-                    model.unshard()
-                    model.reshard()
-
-                def step():
-                    model(x).sum().backward()
-                    for p in model.parameters():
-                        p.grad = None
-
-                step()  # warm-up (lazy init, allocator caches)
-                unshard()
-                C.reset_peak_rss()
-                base = C.rss_bytes()
-                step()
-                peak = C.peak_rss_bytes() - base
-                t_unshard = _time(unshard, iters)
-                t_step = _time(step, iters)
-                up = next(iter(model.parameters()))
-                results.append(dict(
-                    case=case, dim=dim, lib=lib, unshard=t_unshard, step=t_step, peak=peak,
-                    placement=repr(up.placements[0]),
-                ))
-                del model
-                C.malloc_trim()
+                results.append(_measure(rank, iters, mesh, case, dim, lib, shard))
+                C.malloc_trim()  # after _measure returned: its model is no longer referenced
     return results
+
+
+def _measure(rank: int, iters: int, mesh, case: str, dim: int, lib: str, shard) -> dict:
+    from torch.distributed.tensor import Shard
+
+    model, d_in = _model(case)
+    shard(model, mesh=mesh, reshard_after_forward=True, shard_placement_fn=lambda p, d=dim: Shard(d))
+    x = torch.randn(TOKENS, d_in, generator=torch.Generator().manual_seed(rank))
+
+    def unshard():
+        model.unshard()
+        model.reshard()
+
+    def step():
+        model(x).sum().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    step()  # warm-up (lazy init, allocator caches)
+    unshard()
+    C.reset_peak_rss()
+    base = C.rss_bytes()
+    step()
+    peak = C.peak_rss_bytes() - base
+    t_unshard = _time(unshard, iters)
+    t_step = _time(step, iters)
+    up = next(iter(model.parameters()))
+    return dict(
+        case=case, dim=dim, lib=lib, unshard=t_unshard, step=t_step, peak=peak,
+        placement=repr(up.placements[0]),
+    )
 
 
 def compute_only(iters: int) -> list[dict]:
@@ -185,12 +189,14 @@ def main() -> None:
         peak = max(r["peak"] for r in rs)
         out.append(dict(case=r0["case"], dim=r0["dim"], lib=r0["lib"], unshard_s=unshard, step_s=step, peak_bytes=peak,
                         placement=r0["placement"]))
-        rows.append([r0["case"], f"Shard({r0['dim']})", r0["lib"], f"{unshard * 1e3:.1f}", f"{step * 1e3:.1f}", C.fmt_bytes(peak)])
+        rows.append([r0["case"], f"Shard({r0['dim']})", r0["lib"], f"{unshard * 1e3:.1f}", f"{step * 1e3:.1f}",
+                     C.fmt_bytes(peak)])
     print(f"other processes used {quiet:.0%} of the CPUs before the run")
     C.print_table(["weight", "placement", "runtime", "unshard+reshard ms", "step ms", "step peak RSS"], rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(machine=C.machine_info(), when=C.now_iso(), iters=args.iters, quiet=quiet, results=out), f, indent=1)
+            json.dump(dict(machine=C.machine_info(), when=C.now_iso(), iters=args.iters, quiet=quiet, results=out), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

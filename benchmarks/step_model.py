@@ -255,12 +255,15 @@ def memory_check(scale_json: str) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--scale-json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "scale.json"))
+    ap.add_argument("--scale-json",
+                    default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "scale.json"))
     args = ap.parse_args()
     depths = (0, 1, 2, 4)
     rows = gpu_table(depths)
-    print(f"Llama-3 on H100s at dense bf16 peak, {SEQ} tokens per GPU per step; exposed communication by prefetch depth")
-    print(f"{'model':>5} {'gpus':>5} {'kind':>5} {'compute':>8} {'comm':>8} " + " ".join(f"{'step d' + str(d):>8}" for d in depths)
+    print(f"Llama-3 on H100s at dense bf16 peak, {SEQ} tokens per GPU per step; "
+          "exposed communication by prefetch depth")
+    print(f"{'model':>5} {'gpus':>5} {'kind':>5} {'compute':>8} {'comm':>8} "
+          + " ".join(f"{'step d' + str(d):>8}" for d in depths)
           + " " + " ".join(f"{'exp d' + str(d):>6}" for d in depths) + f" {'mem d1 GiB':>10}")
     for r in rows:
         print(f"{r['model']:>5} {r['gpus']:>5} {r['kind']:>5} {r['compute_s']:8.3f} {r['comm_s']:8.3f} "

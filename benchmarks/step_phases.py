@@ -119,7 +119,8 @@ def main() -> None:
         ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
         rows.append([fw] + [f"{m[p] * 1e3:.1f}" for p in PHASES] + [f"{r['step_s'] * 1e3:.1f}", ratio])
     opt_name = "mfsdp2.optim.AdamW" if a.optimizer == "mfsdp2" else "AdamW"
-    print(f"model {a.model}, world size 2, {opt_name}{'(foreach=True)' if a.foreach else ' (default flags)'}; ms, rank 0 medians")
+    print(f"model {a.model}, world size 2, {opt_name}{'(foreach=True)' if a.foreach else ' (default flags)'}; "
+          "ms, rank 0 medians")
     C.print_table(["framework", *PHASES, "step", "step / DDP"], rows)
     if a.json:
         payload = {"results": res, "args": args, "machine": C.machine_info(), "date": C.now_iso(),

@@ -60,7 +60,8 @@ ranks).
 The comparisons reported as ratios (variant / baseline; against FSDP2 the headline is tuned FSDP2
 and the default is a second column; beside them the *paired* ratio: per timed round, the
 variant's step over the baseline's step of the same round -- they ran back to back, so slow
-drift in the machine's load cancels -- as median, quartiles and the share of rounds below 1): ZeRO-3 / FSDP2, ZeRO-2 / FSDP2 no-reshard, no_shard / DDP,
+drift in the machine's load cancels -- as median, quartiles and the share of rounds below 1):
+ZeRO-3 / FSDP2, ZeRO-2 / FSDP2 no-reshard, no_shard / DDP,
 ZeRO-1 / DDP, bf16+FP8 / mfsdp2 bf16, bf16+FP8 / FSDP2 bf16 and mfsdp2 bf16 / FSDP2 bf16.
 
 Cases: ``mlp``, ``llama`` and ``tiny`` of ``_common`` (8 x Linear(1024,4096)-GELU-Linear(4096,1024),
@@ -441,7 +442,8 @@ def markdown(out: dict) -> str:
             w, p = d["wire"], d["persistent_bytes"]
             bk = w["buffer_bytes_by_kind"]
             coll = d["collectives"]
-            cs = f"{coll['collectives_per_step']:g}" + (f" + {coll['p2p_ops_per_step']:g}" if coll["p2p_ops_per_step"] else "")
+            cs = (f"{coll['collectives_per_step']:g}"
+                  + (f" + {coll['p2p_ops_per_step']:g}" if coll["p2p_ops_per_step"] else ""))
             lines.append("| " + " | ".join([
                 case_name(c), d["label"],
                 f"{d['step_s_median']*1e3:.0f} ({d['step_s_p10']*1e3:.0f}-{d['step_s_p90']*1e3:.0f})",

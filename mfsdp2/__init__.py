@@ -36,7 +36,7 @@ from .frontend import module as _module
 _module.fully_shard = fully_shard  # ``mfsdp2.frontend.module.fully_shard`` (where it used to live) keeps working
 from .dtensors.placement import RowShard
 from .memory.trace_pool import TracePoolAllocator
-from . import optim  # mfsdp2.optim.AdamW
+from . import optim as optim  # mfsdp2.optim.AdamW
 
 MAY_IMPORT: tuple[str, ...] = ("base", "comm", "dtensors", "memory", "precision", "groups", "runtime", "checkpoint",
                                "frontend", "integrations", "optim", "models", "estimate")

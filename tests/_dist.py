@@ -145,7 +145,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
                         dead_since.setdefault(r, now)
                 gone = [r for r, t in dead_since.items() if now - t > 3.0 and r not in results]
                 if gone:
-                    errors.append("; ".join(f"rank {r} exited with code {procs[r].exitcode} without a result" for r in gone)
+                    errors.append("; ".join(f"rank {r} exited with code {procs[r].exitcode} without a result"
+                                            for r in gone)
                                   + f" (got {sorted(results)})")
                     break
                 continue

@@ -93,14 +93,14 @@ def loss_fn(out, y):
 
 
 def reference_run(
-    kind: str, opt_kind: str, steps: int, global_batch: int, dtype: torch.dtype = torch.float32, compile_step: bool = False
+    kind: str, opt_kind: str, steps: int, global_batch: int, dtype: torch.dtype = torch.float32,
+    compile_step: bool = False,
 ):
     """Single-process, unsharded: the independent reference for the parity tests.
     ``compile_step``: the optimizer step is compiled (aot_eager), as the run it is compared with
     (a compiled step computes bias corrections from a float32 step tensor, eager from a float)."""
     torch.set_num_threads(1)
     model = build(kind, dtype=dtype)
-    d_in = model.inp.in_features
     opt = make_opt(opt_kind, [p for p in model.parameters() if p.requires_grad])
     if compile_step:
         opt.step = torch.compile(opt.step, backend="aot_eager")
@@ -188,7 +188,8 @@ def same_cast_tolerances(steps: int, ws: int, global_batch: int, **kw):
     return losses, params, loss_tol, tol
 
 
-def sharded_train_step(model, opt, step: int, rank: int, ws: int, global_batch: int, dp: tuple[int, int] | None = None) -> float:
+def sharded_train_step(model, opt, step: int, rank: int, ws: int, global_batch: int,
+                       dp: tuple[int, int] | None = None) -> float:
     """One step on this rank's slice of the global batch; returns the mean loss over ranks.
 
     ``dp = (dp_rank, dp_size)`` slices by the data-parallel coordinate instead of the rank (ranks

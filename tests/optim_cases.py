@@ -49,14 +49,18 @@ def impls(cls: type) -> list[str]:
 # weight decay, and other values of the optimizer's switches), and how many steps before the
 # state-dict round trip (RAdam's rectified update starts at its 6th step).
 HPARAMS: dict[str, dict] = {
-    "ASGD": dict(a=dict(lr=0.05, lambd=1e-2, alpha=0.75, t0=1.0, weight_decay=0.1), b=dict(lr=0.02, t0=0.0, maximize=True)),
+    "ASGD": dict(a=dict(lr=0.05, lambd=1e-2, alpha=0.75, t0=1.0, weight_decay=0.1),
+                 b=dict(lr=0.02, t0=0.0, maximize=True)),
     "Adadelta": dict(a=dict(lr=1.0, rho=0.8, eps=1e-5, weight_decay=0.1), b=dict(lr=0.5, rho=0.95, maximize=True)),
     "Adafactor": dict(a=dict(lr=0.02, beta2_decay=-0.6, d=0.8, weight_decay=0.1), b=dict(lr=0.01, maximize=True)),
     "Adagrad": dict(
-        a=dict(lr=0.05, lr_decay=0.1, weight_decay=0.1, initial_accumulator_value=0.2, eps=1e-8), b=dict(lr=0.02, maximize=True)
+        a=dict(lr=0.05, lr_decay=0.1, weight_decay=0.1, initial_accumulator_value=0.2, eps=1e-8),
+        b=dict(lr=0.02, maximize=True),
     ),
-    "Adam": dict(a=dict(lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True), b=dict(lr=0.01, maximize=True)),
-    "AdamW": dict(a=dict(lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True), b=dict(lr=0.01, maximize=True)),
+    "Adam": dict(a=dict(lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True),
+                 b=dict(lr=0.01, maximize=True)),
+    "AdamW": dict(a=dict(lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True),
+                  b=dict(lr=0.01, maximize=True)),
     "Adamax": dict(a=dict(lr=0.02, betas=(0.8, 0.95), weight_decay=0.1), b=dict(lr=0.01, maximize=True)),
     "LBFGS": dict(a=dict(lr=0.5, max_iter=2, history_size=2, line_search_fn="strong_wolfe"), b=None),
     "Muon": dict(
@@ -110,7 +114,8 @@ def param_groups(name: str, model: nn.Module) -> list[dict]:
 
 def make_optimizer(name: str, impl: str, model: nn.Module) -> torch.optim.Optimizer:
     cls = optimizer_classes()[name]
-    flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True), "default": {}}[impl]
+    flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True),
+             "default": {}}[impl]
     return cls(param_groups(name, model), **flags)
 
 

@@ -300,7 +300,8 @@ def step_env(run: Run) -> None:
         pass
     missing = [m for m in ("pytest", "xdist", "hypothesis", "nvtx") if importlib.util.find_spec(m) is None]
     run.info.update(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
-                    device=torch.cuda.get_device_name(0) if cuda else "cpu", gpus=torch.cuda.device_count() if cuda else 0,
+                    device=torch.cuda.get_device_name(0) if cuda else "cpu",
+                    gpus=torch.cuda.device_count() if cuda else 0,
                     xdist=importlib.util.find_spec("xdist") is not None, cpus=os.cpu_count(), commit=commit or "?",
                     missing_modules=missing)
     status = "passed" if cuda or run.dry_run else "failed"
@@ -403,7 +404,8 @@ def step_profile(run: Run, env: dict) -> None:
     status = "timeout" if rc is None else "passed" if rc == 0 and summary else "failed"
     cause = (f"timed out: stopped at its {budget:.0f} s budget" if rc is None
              else f"tools/gpu_profile.py exited with code {rc}" if rc else "no summary written")
-    run.add({"name": "profile", "status": status, "seconds": round(secs, 1), "command": " ".join(cmd), "results": summary,
+    run.add({"name": "profile", "status": status, "seconds": round(secs, 1), "command": " ".join(cmd),
+             "results": summary,
              **({"cause": cause, "output_tail": tail[-1500:]} if status != "passed" else {})})
 
 
@@ -424,7 +426,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "gpu-check-results"),
                    help="where summary.txt / summary.json and the logs go (default: $OUT, else gpu-check-results)")
-    p.add_argument("--dry-run", action="store_true", help="CPU: the plumbing with trivial selections (see the docstring)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU: the plumbing with trivial selections (see the docstring)")
     p.add_argument("--suite", action="store_true", help="run the rest of the suite (-m 'not cuda') instead")
     p.add_argument("--native", action="store_true", help="build the native kernels first")
     p.add_argument("--workers", type=int, default=14, help="pytest -n for the suite (default 14)")

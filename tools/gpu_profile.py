@@ -118,7 +118,6 @@ def _rank(rank: int, ws: int, device: str, out: str, steps: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from mfsdp2 import fully_shard
     from tests import models
     from tests._dist import world_mesh
 

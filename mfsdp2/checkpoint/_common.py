@@ -38,7 +38,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..base import compat
-from ..dtensors.placement import RowShard, communicable, mark_write_nothing, row_sharded_dtensor, wrap_local, write_nothing
+from ..dtensors.placement import (
+    RowShard, communicable, mark_write_nothing, row_sharded_dtensor, wrap_local, write_nothing,
+)
 from ..runtime.state import unit_state
 
 __all__ = [
@@ -198,7 +200,8 @@ def units(model: nn.Module) -> list:
             other_dim = any(slot.shard_dim for slot in g.layout.slots)
             if g.config.shard_dim is None or g.mesh.ndim != 1 or any(t is not None for t in g.tp_specs) or other_dim:
                 kind = "no_shard" if g.config.shard_dim is None else (
-                    "HSDP" if g.mesh.ndim != 1 else "FSDP x TP" if not other_dim else "sharded on dim != 0 for some parameters (shard_placement_fn)"
+                    "HSDP" if g.mesh.ndim != 1 else "FSDP x TP" if not other_dim
+                    else "sharded on dim != 0 for some parameters (shard_placement_fn)"
                 )
                 raise ValueError(
                     f"mfsdp2.checkpoint.state_dict helpers handle row-sharded 1-D layouts (ZeRO-1/2/3 on a 1-D mesh); "
@@ -350,7 +353,8 @@ def broadcast_tree(tree: Any, group, convert: Callable[[tuple, torch.Tensor], An
     src = dist.get_global_rank(group, 0)
     skeleton = [None]
     if rank == 0:
-        skeleton[0] = map_tree(tree, lambda p, v: _TensorMeta(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v)
+        skeleton[0] = map_tree(
+            tree, lambda p, v: _TensorMeta(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v)
     dist.broadcast_object_list(skeleton, src=src, group=group)
     flat = dict(walk(tree)) if rank == 0 else {}
 

@@ -128,7 +128,8 @@ def load_hf_safetensors(model: nn.Module, path: str, *, key_map: KeyMap = None, 
                 sl = f.get_slice(name)
                 shape = tuple(sl.get_shape())
                 if shape != tuple(target.shape):
-                    raise ValueError(f"mfsdp2: {name} has shape {shape} in {file}, the model wants {tuple(target.shape)}")
+                    raise ValueError(f"mfsdp2: {name} has shape {shape} in {file}, "
+                                     f"the model wants {tuple(target.shape)}")
                 if isinstance(target, DTensor):
                     rows = global_rows(target)
                     if rows is None:

@@ -8,7 +8,8 @@ and reads its (absent) storage: "Attempted to access the data pointer on an inva
 storage". FSDP2's parameters each own their storage (offset 0), so the same script works there.
 
 So pickling a DTensor whose wrapper has a nonzero offset (or whose local tensor carries Python
-attributes of ours) pickles an equal DTensor rebuilt around a copy of its local tensor (offset 0) -- torch's own format, which loads without mfsdp2 (only
+attributes of ours) pickles an equal DTensor rebuilt around a copy of its local tensor (offset 0) --
+torch's own format, which loads without mfsdp2 (only
 ``RowShard`` must be importable, and it is registered as a safe global for ``weights_only``
 loads). Every other DTensor pickles as before. ``copy.deepcopy`` is unaffected (tensors define
 ``__deepcopy__``, which takes precedence over the pickling registry).

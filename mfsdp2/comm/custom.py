@@ -62,7 +62,8 @@ class CustomCommunicator:
             return self.base.reduce_scatter_scratch_numel(shard_numel, op, itemsize)
         return 0
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp.SUM, scratch=None, label: str = "") -> CommHandle:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp.SUM, scratch=None,
+                       label: str = "") -> CommHandle:
         if self.custom_reduce_scatter is None:
             return self.base.reduce_scatter(out, inp, op, scratch, label)
         if tensors_overlap(out, inp):

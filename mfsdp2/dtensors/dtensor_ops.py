@@ -42,7 +42,8 @@ spec; the result is the whole tensor's, as for FSDP2.
 Fused optimizer kernels DTensor has no sharding rule for -- ``_fused_sgd_`` and
 ``_fused_adagrad_`` (``torch.optim.SGD`` / ``Adagrad(fused=True)``; FSDP2 raises "does not have a
 sharding strategy" for them) -- run on the local pieces when our parameters are among their
-arguments (``RowShard`` pieces, or whole replicated parameters under ``no_shard``): each updates parameter i from gradient i and state i alone, element by element, so the
+arguments (``RowShard`` pieces, or whole replicated parameters under ``no_shard``):
+each updates parameter i from gradient i and state i alone, element by element, so the
 kernel on this rank's rows is the full kernel restricted to them. Every DTensor of index i must
 hold the same rows (mesh and placements equal, row counts included), else the call is refused
 naming the argument: nothing is redistributed into a temporary the kernel would update instead.
@@ -172,7 +173,9 @@ def _identity(op_call, args, kwargs, dtype) -> Optional[float]:
         if dim is None and order in (float("inf"), float("-inf")):
             return 0.0 if order > 0 else float("inf")
         return None
-    if op_call in (_aten.amax.default, _aten.amin.default) and tuple(args[1] if len(args) > 1 else kwargs.get("dim", ())):
+    if op_call in (_aten.amax.default, _aten.amin.default) and tuple(
+        args[1] if len(args) > 1 else kwargs.get("dim", ())
+    ):
         return None  # a reduction along given dims keeps every rank's (possibly empty) rows
     lowest = op_call in (_aten.max.default, _aten.amax.default)
     if dtype.is_floating_point:
@@ -267,7 +270,8 @@ def _masked_put_handler(op_call, args, kwargs):
         or not (isinstance(mask, DTensor) and mask.dtype == torch.bool and mask.shape == self.shape)
         or not (isinstance(values, torch.Tensor) and not isinstance(values, DTensor) and values.numel() == 1)
         or mask.device_mesh != self.device_mesh
-        or not all(a == b and getattr(a, "rows", None) == getattr(b, "rows", None) for a, b in zip(mask.placements, self.placements))
+        or not all(a == b and getattr(a, "rows", None) == getattr(b, "rows", None)
+                   for a, b in zip(mask.placements, self.placements))
     ):
         return _default(op_call, args, kwargs)
     self._local_tensor.index_put_([mask._local_tensor], values, accumulate)
@@ -279,8 +283,10 @@ class _NotElementwise(Exception):
 
 
 def _same_rows(t: DTensor, ref: DTensor) -> bool:
-    return t.device_mesh == ref.device_mesh and t.shape == ref.shape and len(t.placements) == len(ref.placements) and all(
-        a == b and getattr(a, "rows", None) == getattr(b, "rows", None) for a, b in zip(t.placements, ref.placements)
+    return (
+        t.device_mesh == ref.device_mesh and t.shape == ref.shape and len(t.placements) == len(ref.placements)
+        and all(a == b and getattr(a, "rows", None) == getattr(b, "rows", None)
+                for a, b in zip(t.placements, ref.placements))
     )
 
 
@@ -325,7 +331,8 @@ def _foreach_elementwise_handler(op_call, args, kwargs):
 def _elementwise_foreach_ops_without_rule() -> list:
     """The ``_foreach`` overloads (not ``out=``) whose single-tensor op is tagged pointwise and
     that DTensor cannot propagate on this torch."""
-    names = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::_foreach_")}
+    names = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+             if n.startswith("aten::_foreach_")}
     ops = []
     for name in sorted(names):
         single = getattr(_aten, name[len("_foreach_"):].rstrip("_"), None)
@@ -380,7 +387,8 @@ def install() -> None:
         if current is not None:
             _previous[op] = current
         handlers[op] = handler
-    logger.debug("mfsdp2: DTensor copy_ / infinity-norm / fused-optimizer / foreach handlers for RowShard DTensors installed")
+    logger.debug("mfsdp2: DTensor copy_ / infinity-norm / fused-optimizer / foreach handlers "
+                 "for RowShard DTensors installed")
 
 
 install()

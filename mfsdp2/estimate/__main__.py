@@ -57,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--llama", choices=sorted(LLAMA3) + ["demo"], help="a Llama-3 geometry or the demo decoder")
     src.add_argument("--model", metavar="MODULE:CALLABLE", help="a factory of your model (built on meta)")
     p.add_argument("--kwargs", default="{}", help="JSON keyword arguments for --model")
-    p.add_argument("--units", metavar="CLASS", help="module:Class or a class name in the model: the units wrapped before the root")
+    p.add_argument("--units", metavar="CLASS",
+                   help="module:Class or a class name in the model: the units wrapped before the root")
     p.add_argument("--mesh", default="1", help="N, or R,S for HSDP (replicate, shard); default 1")
     p.add_argument("--strategy", default="optim_grads_params",
                    choices=["optim_grads_params", "optim_grads", "optim", "no_shard"])

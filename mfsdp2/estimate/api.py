@@ -4,7 +4,8 @@ Three parts, each in its own file: the layouts ``fully_shard`` would plan and th
 bytes of the parameter categories (:mod:`.plan`), a fake-tensor forward / backward of the
 unsharded model for activations, autograd's gradients and temporaries (:mod:`.trace`), and the
 runtime's transient buffers replayed on the trace's unit boundaries (:mod:`.step`), with the
-runtime's own allocator of the chosen kind deciding what is held (:mod:`.held`). No process group is created and no parameter memory is
+runtime's own allocator of the chosen kind deciding what is held (:mod:`.held`).
+No process group is created and no parameter memory is
 allocated: any world size or HSDP shape can be asked for from one process.
 """
 
@@ -19,7 +20,7 @@ import torch.nn as nn
 from ..base import compat
 from ..precision.mixed_precision import MixedPrecisionPolicy
 from ..base.strategy import ShardingStrategy
-from .plan import OPTIMIZERS, UnitsArg, _itemsize, optimizer_temp_bytes, persistent_bytes, plan_units, resolve_units
+from .plan import OPTIMIZERS, UnitsArg, optimizer_temp_bytes, persistent_bytes, plan_units, resolve_units
 from .report import AT_PEAK_ORDER, MemoryEstimate, _ROLE_CATEGORY
 from .held import ALLOCATORS
 from .step import StepConfig, default_marks, simulate, transient_at_peak
@@ -106,10 +107,12 @@ def estimate_memory(
         raise TypeError(f"mfsdp2.estimate_memory: model must be an nn.Module, got {type(model).__name__}")
     shape = (int(mesh_shape),) if isinstance(mesh_shape, int) else tuple(int(x) for x in mesh_shape)
     if not shape or len(shape) > 2 or min(shape) < 1:
-        raise ValueError(f"mfsdp2.estimate_memory: mesh_shape must be N or (replicate, shard) of positive sizes, got {mesh_shape!r}")
+        raise ValueError("mfsdp2.estimate_memory: mesh_shape must be N or (replicate, shard) of positive sizes, "
+                         f"got {mesh_shape!r}")
     strategy = ShardingStrategy.parse(sharding_strategy, "estimate_memory")
     if strategy is ShardingStrategy.NO_SHARD and len(shape) == 2:
-        raise ValueError("mfsdp2.estimate_memory: sharding_strategy='no_shard' replicates over every rank: pass a 1-D mesh_shape")
+        raise ValueError("mfsdp2.estimate_memory: sharding_strategy='no_shard' replicates over every rank: "
+                         "pass a 1-D mesh_shape")
     if strategy is ShardingStrategy.NO_SHARD:
         shard_world, replicate = 1, shape[0]
     else:
@@ -118,7 +121,8 @@ def estimate_memory(
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"mfsdp2.estimate_memory: unknown optimizer {optimizer!r}; one of {sorted(OPTIMIZERS)}")
     if optimizer_impl not in ("auto", "single", "foreach", "fused"):
-        raise ValueError(f"mfsdp2.estimate_memory: optimizer_impl must be 'auto', 'single', 'foreach' or 'fused', got {optimizer_impl!r}")
+        raise ValueError("mfsdp2.estimate_memory: optimizer_impl must be 'auto', 'single', 'foreach' or 'fused', "
+                         f"got {optimizer_impl!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"mfsdp2.estimate_memory: device must be 'cpu' or 'cuda', got {device!r}")
     if allocator not in ALLOCATORS:
@@ -137,7 +141,6 @@ def estimate_memory(
 
     named = resolve_units(model, units)
     plans = plan_units(named, shard_world, mp, shard_dims)
-    ranks = range(shard_world)
     if spec.flat:  # mfsdp2.optim.AdamW: counters beside the states; bfloat16 moments keep them on the host
         step_on_device = device == "cpu" or spec.state_dtype is None
     else:
@@ -203,7 +206,8 @@ def estimate_memory(
         "largest_unit_gathered": largest.gathered_bytes(),
         "largest_unit_flat_grad": largest.flat_grad_bytes(),
         "allocator_held": held,
-        "allocator_held_at_optimizer_step": next(p.held for p in reversed(replay.points) if p.label == "optimizer step"),
+        "allocator_held_at_optimizer_step": next(p.held for p in reversed(replay.points)
+                                                 if p.label == "optimizer step"),
         "activations_peak": max((m.peak for m in marks), default=0),
         "padding_elements": sum(g.layout.padding_numel for u in plans for g in u.groups),
     }

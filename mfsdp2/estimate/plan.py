@@ -38,7 +38,8 @@ class OptimizerSpec:
     ``step_tensor``: a 4-byte ``step`` tensor per parameter (on the host for CUDA parameters
     unless fused / capturable, as torch keeps it); ``temps``: parameter-sized temporaries alive at
     once inside the step -- per parameter for the single-tensor loop (plus the previous
-    parameter's last one, still held by its local variable: :func:`optimizer_temp_bytes`), over all of a device's parameters for ``foreach`` (torch's ``_foreach_sqrt`` of the second
+    parameter's last one, still held by its local variable: :func:`optimizer_temp_bytes`),
+    over all of a device's parameters for ``foreach`` (torch's ``_foreach_sqrt`` of the second
     moments, ...), none for ``fused``. ``flat``: the states are flat tensors over the span of the
     shard holding the rank's pieces, padding between pieces included (``mfsdp2.optim.AdamW``:
     in-place steps, no temporaries); ``state_dtype``: the states' dtype where it is not the
@@ -223,7 +224,8 @@ def plan_units(
         for gi, ((dtype, rg, fp8), ps) in enumerate(by_key.items()):
             compute = mp.compute_dtype(dtype)
             main = mp.main_dtype(dtype, rg)
-            itemsize = min(torch.finfo(d).bits if d.is_floating_point else torch.iinfo(d).bits for d in (compute, main)) // 8
+            itemsize = min(torch.finfo(d).bits if d.is_floating_point else torch.iinfo(d).bits
+                           for d in (compute, main)) // 8
             shapes = [tuple(int(s) for s in p.shape) for _, p in ps]
             dims = [int(shard_dims(f, p)) if shard_dims else 0 for f, p in ps]
             layout = plan_layout(shapes, shard_world, align=max(16 // itemsize, 1), dims=dims)

@@ -90,7 +90,8 @@ class MemoryEstimate:
                 if v:
                     lines.append(f"{k:<24}{v:>18,}{_fmt(v):>14}")
         if self.units:
-            lines += ["", f"{'unit':<20}{'params':>14}{'shard elems':>14}{'padding':>10}{'gathered':>14}{'flat grad':>14}"]
+            lines += ["", f"{'unit':<20}{'params':>14}{'shard elems':>14}{'padding':>10}"
+                          f"{'gathered':>14}{'flat grad':>14}"]
             shown = self.units if len(self.units) <= 12 else self.units[:5] + [None] + self.units[-5:]
             for u in shown:
                 if u is None:

@@ -176,7 +176,6 @@ def trace_step(
         skip |= {t.untyped_storage()._cdata for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
         tracker = _LiveBytes(skip)
         marks: list[Mark] = []
-        last_peak = [0]
         pending_bwd: dict[int, int] = {}
         handles = []
 

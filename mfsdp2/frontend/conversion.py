@@ -58,7 +58,8 @@ logger = logging.getLogger(__name__)
 
 
 def _check_idle(state) -> None:
-    busy = state.training_state is not TrainingState.IDLE or any(g.reduce_pending or g.partial is not None for g in state.groups)
+    busy = state.training_state is not TrainingState.IDLE or any(
+        g.reduce_pending or g.partial is not None for g in state.groups)
     if busy or (state.ctx is not None and state.ctx.callback_queued):
         raise RuntimeError(
             f"mfsdp2: module conversion (.to / to_empty / _apply) of unit {state.name!r} during a training "
@@ -143,7 +144,8 @@ def _adopt(state, g, values: list[torch.Tensor], grads: list, dtype: torch.dtype
     dtypes = {v.dtype for v in values}
     devices = {v.device for v in values}
     if len(dtypes) != 1 or len(devices) != 1:
-        raise RuntimeError(f"mfsdp2: the conversion gave the parameters of {g.name} different dtypes/devices {dtypes} {devices}")
+        raise RuntimeError(f"mfsdp2: the conversion gave the parameters of {g.name} different dtypes/devices "
+                           f"{dtypes} {devices}")
     device = devices.pop()
     same = dtype == g.orig_dtype
     if device.type == "meta":

@@ -4,7 +4,8 @@ then :func:`materialize` it -- no rank ever holds the full model.
 Why this shape: ``fully_shard`` only needs parameter *shapes* to plan the layout, so it accepts a
 meta model and, as torch FSDP2 does, leaves its sharded parameters (and every per-rank buffer
 behind them) on the meta device: no bytes until the model is initialised. :func:`materialize`
-allocates this rank's shards on the mesh's device, then walks the modules in registration order (which is construction order for ordinary models) and, for
+allocates this rank's shards on the mesh's device, then walks the modules in registration order
+(which is construction order for ordinary models) and, for
 one module at a time, gives its own parameters real full-size tensors, runs its
 ``reset_parameters()`` (or the user's ``init_fn(module)``), copies this rank's rows into the main
 weights and drops the full tensors. At most one module's parameters exist in full at any moment.
@@ -111,7 +112,8 @@ def materialize(model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]]
             for g, i, attr in slots:
                 full = m._parameters[attr].detach()
                 lo = g.layout.piece(i, g.rank)
-                g.weights.piece_view(g.main_weight, i).copy_(rows_along(full, g.layout.slots[i].shard_dim, lo.row_start, lo.row_end))
+                g.weights.piece_view(g.main_weight, i).copy_(
+                    rows_along(full, g.layout.slots[i].shard_dim, lo.row_start, lo.row_end))
         finally:
             for attr, dp in saved.items():
                 m._parameters[attr] = dp

@@ -22,7 +22,9 @@ from ..dtensors import random_offsets  # noqa: F401  (random init of RowShard pi
 from ..checkpoint import serialization  # noqa: F401  (torch.save of state dicts holding our DTensors)
 from ..memory.allocator import BucketAllocator
 from ..comm.custom import CustomCommunicator
-from ..runtime.hooks import lazy_init, outside_inference_mode, post_forward, pre_forward, reset, reshard, unshard_async, wait_unshard
+from ..runtime.hooks import (
+    lazy_init, outside_inference_mode, post_forward, pre_forward, reset, reshard, unshard_async, wait_unshard,
+)
 from ..runtime.state import FSDPState
 from .torch_identity import check_overrides, torch_bases
 
@@ -323,7 +325,8 @@ class FSDPModule(*torch_bases()):
         """Whether the next backward is the last before the optimizer step (FSDP2's meaning).
         False: the final callback leaves the last reductions in flight -- they overlap the next
         micro-batch's forward and finish at its backward -- and skips the end-of-backward
-        gradient-presence step (:mod:`mfsdp2.runtime.grad_presence`), so ``.grad`` is not complete yet. True (default): every
+        gradient-presence step (:mod:`mfsdp2.runtime.grad_presence`), so ``.grad`` is not complete yet.
+        True (default): every
         reduction is finished and every gradient exposed. Like FSDP2's flag it is model-wide:
         every rank must pass the same value."""
         state = self._mfsdp2_state
@@ -368,7 +371,8 @@ class FSDPModule(*torch_bases()):
         count there): ``model_weight_bytes`` (model-dtype shards, or the full weights the
         strategy keeps), ``main_weight_bytes``, ``main_grad_bytes`` (while they exist: from the
         first reduction to the forward after ``zero_grad(set_to_none=True)``), ``fp8_bytes``
-        (0: FP8 keeps no quantised shard, each gather quantises into its allocator block) and ``partial_grad_bytes`` (HSDP sums waiting for an all-reduce);
+        (0: FP8 keeps no quantised shard, each gather quantises into its allocator block) and
+        ``partial_grad_bytes`` (HSDP sums waiting for an all-reduce);
         ``persistent_bytes`` = model + main + fp8; ``host_bytes``: how much of it is host memory
         (``CPUOffloadPolicy``: main weights and main grads). ``transient_peak_bytes`` /
         ``transient_live_bytes``: what the shared allocator serves -- unsharded weights,
@@ -387,7 +391,8 @@ class FSDPModule(*torch_bases()):
             seen.append((lo, hi))
             return hi - lo
 
-        out = dict.fromkeys(("model_weight_bytes", "main_weight_bytes", "main_grad_bytes", "fp8_bytes", "partial_grad_bytes"), 0)
+        out = dict.fromkeys(
+            ("model_weight_bytes", "main_weight_bytes", "main_grad_bytes", "fp8_bytes", "partial_grad_bytes"), 0)
         groups = [g for s in self._units(True) for g in s.groups]
         for g in groups:
             shard = g.weights.shard if g.weights.shard.dtype == g.compute_dtype else None  # else: cast per gather

@@ -55,7 +55,8 @@ def torch_bases() -> tuple:
 def _functions(base: type) -> list[str]:
     """The names of the functions (methods, static / class methods, properties) ``base`` defines."""
     skip = {"__dict__", "__weakref__", "__module__", "__doc__", "__init_subclass__"}
-    return [n for n, v in vars(base).items() if n not in skip and (callable(v) or isinstance(v, (staticmethod, classmethod, property)))]
+    return [n for n, v in vars(base).items()
+            if n not in skip and (callable(v) or isinstance(v, (staticmethod, classmethod, property)))]
 
 
 def _refusal(name: str):

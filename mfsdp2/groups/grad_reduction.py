@@ -1,7 +1,8 @@
 """The gradient-reduction path of a :class:`~mfsdp2.groups.param_group.ParameterGroup`: pack the
 unsharded gradients into one flat buffer, issue its reduction (reduce-scatter over the shard
 group -- ZeRO-1's too, into its rows of the full-size main gradient -- or all-reduce for no_shard;
-HSDP's all-reduce across replicas as a second stage), accumulate the result into the main gradient and expose it as the DTensor
+HSDP's all-reduce across replicas as a second stage),
+accumulate the result into the main gradient and expose it as the DTensor
 parameters' ``.grad``.
 
 Why a file of its own: this is the half of a group that runs in backward and owns the reduction
@@ -210,7 +211,8 @@ class GradientReduction(MainGradient):
         """Whether :meth:`reduce_grads` with these ``buckets`` packs into a shared bucket."""
         return buckets is not None and buckets.enabled and self._bucket_comm() is not None
 
-    def reduce_grads(self, allocator: BucketAllocator, key, label: str = "", buckets: Optional[GradientBuckets] = None) -> bool:
+    def reduce_grads(self, allocator: BucketAllocator, key, label: str = "",
+                     buckets: Optional[GradientBuckets] = None) -> bool:
         """Pack the unsharded grads into a flat buffer and issue its reduction (async).
 
         Parameters with no local gradient contribute zeros so every rank issues the same
@@ -263,7 +265,8 @@ class GradientReduction(MainGradient):
                 else:
                     out = allocator.allocate(("rs_out", key), layout.shard_numel, self.reduce_dtype, self.device)
                 n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, op, full.element_size())
-                scratch = allocator.allocate(("rs_recv", key), n_scratch, self.reduce_dtype, self.device) if n_scratch else None
+                scratch = (allocator.allocate(("rs_recv", key), n_scratch, self.reduce_dtype, self.device)
+                           if n_scratch else None)
                 handle = self.weights.reduce_scatter(full, out, op, scratch, label)
             if all_reduce and self.chains_all_reduce:
                 # FSDP2's order: the replicas' all-reduce follows the reduce-scatter on the device at
@@ -296,7 +299,8 @@ class GradientReduction(MainGradient):
             and all(dp.grad is None for dp in self.dist_params)
         )
         lane = (id(comm), self.reduce_dtype, self.device, self.divide_factor, self.force_sum)
-        bucket, full = buckets.reserve(self, lane, comm, op, self.layout.total_numel, self.reduce_dtype, self.device, label)
+        bucket, full = buckets.reserve(self, lane, comm, op, self.layout.total_numel, self.reduce_dtype, self.device,
+                                       label)
         with torch.no_grad():
             has_grad = self._pack(full, plan)
         if direct:
@@ -308,7 +312,8 @@ class GradientReduction(MainGradient):
             comm_stats.reduce_scatters_in_buckets += 1
         self._pending_reduce = PendingReduction(
             BucketMemberHandle(buckets, bucket), direct, out, tuple(has_grad), key, False, op,
-            stage=ReduceStage.REPLICAS, bucket=bucket, buckets=buckets, post_divide=plan.post_divide, final=self.reduce_final,
+            stage=ReduceStage.REPLICAS, bucket=bucket, buckets=buckets, post_divide=plan.post_divide,
+            final=self.reduce_final,
         )
         buckets.packed(bucket)
 

@@ -33,7 +33,8 @@ def _alias(v: torch.Tensor) -> torch.Tensor:
     """A tensor over ``v``'s memory that is not a view of anything: a view keeps its base tensor
     -- here the whole main-gradient block -- alive through ``_base`` even after ``set_()``."""
     with torch.no_grad():
-        return torch.empty(0, dtype=v.dtype, device=v.device).set_(v.untyped_storage(), v.storage_offset(), v.size(), v.stride())
+        return torch.empty(0, dtype=v.dtype, device=v.device).set_(
+            v.untyped_storage(), v.storage_offset(), v.size(), v.stride())
 
 
 def _refs(made: list, i: int) -> tuple[int, int]:
@@ -64,7 +65,8 @@ class GradViews:
             self.stale.clear()
         self.key = key
 
-    def get(self, i: int, make: Callable[[torch.Tensor], torch.Tensor], rows: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def get(self, i: int, make: Callable[[torch.Tensor], torch.Tensor],
+            rows: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Parameter ``i``'s DTensor: cached (re-pointed at ``rows()`` if detached), or ``make(local)``
         over a local tensor aliasing ``rows()`` (:func:`_alias`)."""
         if self.made[i] is None:  # no local name for it before _refs (see detach)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Iterable, Optional, Union
+from typing import Iterable, Union
 
 import torch
 import torch.distributed as dist

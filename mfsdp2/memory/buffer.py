@@ -199,7 +199,8 @@ class DataParallelBuffer:
             if alloc is not None:  # accounted bytes (no storage swap): counted as leaked
                 alloc.leak(key, f"the unsharded storage keeps its {self._nbytes} bytes for good: {why}")
             else:
-                logger.warning("mfsdp2: %s: the unsharded storage keeps its %d bytes for good: %s", key, self._nbytes, why)
+                logger.warning("mfsdp2: %s: the unsharded storage keeps its %d bytes for good: %s", key, self._nbytes,
+                               why)
             return
         self._point_storage_at(0, 0)
         block, alloc, key = self._block, self._alloc, self._key

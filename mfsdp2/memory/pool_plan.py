@@ -95,7 +95,8 @@ def _place_in_order(ivs: list[Interval], order: Sequence[int], align: int, best_
     placed: list[int] = []
     for i in order:
         iv = ivs[i]
-        busy = [(offsets[j], offsets[j] + _round_up(ivs[j].size, align)) for j in placed if _overlap_in_time(iv, ivs[j])]
+        busy = [(offsets[j], offsets[j] + _round_up(ivs[j].size, align)) for j in placed
+                if _overlap_in_time(iv, ivs[j])]
         offsets[i] = _lowest_fit(_round_up(iv.size, align), busy, best_fit)
         placed.append(i)
     return offsets

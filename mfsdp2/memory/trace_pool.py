@@ -200,7 +200,8 @@ class TracePoolAllocator(BucketAllocator):
         self.trace_stats.plans += 1
         if hasattr(self.fallback, "release_cached"):  # the pool now serves what it cached
             self.fallback.release_cached()
-        logger.debug("mfsdp2 trace pool: planned %d of %d buffers into %s", len(slots), sum(e[0] == "a" for e in events), pool_numel)
+        logger.debug("mfsdp2 trace pool: planned %d of %d buffers into %s", len(slots),
+                     sum(e[0] == "a" for e in events), pool_numel)
         return _Plan(events, slots, pool_numel)
 
     def _ensure_pool(self, pk: tuple, numel: int) -> None:
@@ -233,7 +234,8 @@ class TracePoolAllocator(BucketAllocator):
         if plan is None or self._diverged:
             return None
         if idx >= len(plan.events) or plan.events[idx] != ev:
-            self._note_divergence(f"request {ev[:3]} where the plan has {plan.events[idx][:3] if idx < len(plan.events) else 'nothing'}")
+            self._note_divergence(f"request {ev[:3]} where the plan has "
+                                  f"{plan.events[idx][:3] if idx < len(plan.events) else 'nothing'}")
             return None
         return plan.slots.get(idx)
 
@@ -296,7 +298,8 @@ class TracePoolAllocator(BucketAllocator):
         return self.trace_stats.pool_bytes + fb
 
     def idle_bytes(self) -> int:
-        idle = sum(p.nbytes - p.live_numel * p.tensor.element_size() for p in self._pools.values() if p.tensor is not None)
+        idle = sum(p.nbytes - p.live_numel * p.tensor.element_size() for p in self._pools.values()
+                   if p.tensor is not None)
         return idle + self.fallback.idle_bytes()
 
     def keeps(self, device: torch.device, nbytes: int) -> bool:

@@ -89,7 +89,8 @@ def _probe(mod) -> tuple:
                 for p, g in zip(ref, gs):
                     p.grad = g
                 opt.step()
-            want = torch.cat([p.detach() for p in ref] + [opt.state[p][k] for k in ("exp_avg", "exp_avg_sq") for p in ref])
+            want = torch.cat([p.detach() for p in ref]
+                             + [opt.state[p][k] for k in ("exp_avg", "exp_avg_sq") for p in ref])
             rows, pos = [], 0
             for i, n in enumerate(sizes):
                 rows.append([0, pos, n, 0, i])
@@ -143,7 +144,8 @@ class NativeStep:
             b1, b2 = group["betas"]
             row = self._hyper_of[index] = len(self.hyper)
             self.hyper.append([float(group["lr"]), float(b1), float(b2), float(group["eps"]),
-                               float(group["weight_decay"]), float(bool(group["amsgrad"])), float(bool(group["maximize"]))])
+                               float(group["weight_decay"]), float(bool(group["amsgrad"])),
+                               float(bool(group["maximize"]))])
         return row
 
     def add(self, fs, i: int, row: int, param_id: int = 0) -> None:

@@ -100,7 +100,8 @@ class Float8Gather:
 
     def set_global_amax(self, amax: torch.Tensor) -> None:
         """Scales from the all-reduced amax, on the device: ``finfo.max / amax`` (1 for all zeros)."""
-        scales = torch.where(amax > 0, self.max / amax.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
+        scales = torch.where(amax > 0, self.max / amax.clamp_min(torch.finfo(torch.float32).tiny),
+                             torch.ones_like(amax))
         self.scales.copy_(scales)
         self.agreed = True
 

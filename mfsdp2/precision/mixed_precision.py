@@ -45,7 +45,8 @@ class MixedPrecisionPolicy:
         for name in ("param_dtype", "reduce_dtype", "output_dtype", "main_params_dtype", "main_grads_dtype"):
             d = getattr(self, name)
             if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
-                raise ValueError(f"mfsdp2: MixedPrecisionPolicy.{name} must be a floating-point torch.dtype or None, got {d!r}")
+                raise ValueError(f"mfsdp2: MixedPrecisionPolicy.{name} must be a floating-point torch.dtype or None, "
+                                 f"got {d!r}")
         if (
             self.main_params_dtype is not None
             and self.main_grads_dtype is not None

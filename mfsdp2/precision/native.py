@@ -36,7 +36,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["Segments", "available", "has_vbmi", "reference_only", "quantise_fp8", "dequantise_fp8", "dequantise_tables", "ENV"]
+__all__ = ["Segments", "available", "has_vbmi", "reference_only", "quantise_fp8", "dequantise_fp8", "dequantise_tables",
+           "ENV"]
 
 logger = logging.getLogger(__name__)
 
@@ -217,4 +218,5 @@ def dequantise_fp8(src: torch.Tensor, dst: torch.Tensor, segs: Segments, scales:
 def dequantise_tables(scales: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
     """The native dequantise's ``[segments, 256]`` lookup tables: each float8 byte's float32
     value divided by the segment's scale, cast to ``out_dtype`` (the reference's operations)."""
-    return (_float8_values(dtype, scales.device)[None, :] / scales.to(torch.float32)[:, None]).to(out_dtype).contiguous()
+    return ((_float8_values(dtype, scales.device)[None, :] / scales.to(torch.float32)[:, None])
+            .to(out_dtype).contiguous())

@@ -69,14 +69,15 @@ def describe(model: nn.Module) -> str:
         grad_elems = P if g.full_grads else S
         grad = grad_elems * torch.empty((), dtype=g.grad_dtype).element_size() if g.requires_grad else 0
         gathered = 0 if g.persistent else g.weights.nbytes
-        strategy = g.strategy.value + ("+fp8" if g.fp8 is not None else "") + (" hsdp" if g.replicate_comm is not None and g.config.shard_dim is not None else "")
+        strategy = (g.strategy.value + ("+fp8" if g.fp8 is not None else "")
+                    + (" hsdp" if g.replicate_comm is not None and g.config.shard_dim is not None else ""))
         strategy += " cpu-offload" if g.main.offloaded else ""  # main weight / main grad in host memory
         dt = str(g.compute_dtype).replace("torch.", "")
         if g.compute_dtype != g.orig_dtype:
             dt = f"{str(g.orig_dtype).replace('torch.', '')}->{dt}"
-        rows.append([path, dt + ("" if g.requires_grad else " frozen"), strategy, str(len(lay.slots)), f"{lay.param_numel:,}",
-                     f"{lay.padding_fraction:.2%}", f"{S:,}", _fmt(main), _fmt(model_shard), _fmt(grad),
-                     _fmt(gathered), str(lay.world_size)])
+        rows.append([path, dt + ("" if g.requires_grad else " frozen"), strategy, str(len(lay.slots)),
+                     f"{lay.param_numel:,}", f"{lay.padding_fraction:.2%}", f"{S:,}", _fmt(main), _fmt(model_shard),
+                     _fmt(grad), _fmt(gathered), str(lay.world_size)])
         tot["main"] += main
         tot["model"] += model_shard
         tot["grad"] += grad
@@ -125,7 +126,8 @@ def check_buffers(model: nn.Module) -> None:
                 )
             local = dp._local_tensor
             if local.numel() and not (lo <= local.data_ptr() < hi):
-                raise AssertionError(f"mfsdp2: parameter {names[i]!r} of unit {path!r} no longer views its main-weight shard")
+                raise AssertionError(f"mfsdp2: parameter {names[i]!r} of unit {path!r} "
+                                     "no longer views its main-weight shard")
 
 
 def _norms(model: nn.Module, which: str) -> dict[str, float]:
@@ -135,7 +137,8 @@ def _norms(model: nn.Module, which: str) -> dict[str, float]:
         for i, dp in enumerate(g.dist_params):
             t = dp.grad if which == "grad" else dp
             local = None if t is None else t._local_tensor
-            sq.append(local.detach().double().pow(2).sum() if local is not None and local.numel() else torch.zeros((), dtype=torch.float64))
+            sq.append(local.detach().double().pow(2).sum() if local is not None and local.numel()
+                      else torch.zeros((), dtype=torch.float64))
             names.append(g.infos[i][0].fqn if path == "root" else f"{path}.{g.infos[i][0].fqn}")
             dev = g.device
     if not names:

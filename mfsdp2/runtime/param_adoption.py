@@ -95,7 +95,8 @@ def _meta_refused(g: ParameterGroup) -> ValueError:
 
 
 @torch.no_grad()
-def stage(state, g: ParameterGroup, i: int, value: torch.Tensor, grad: Optional[torch.Tensor], dtype: torch.dtype) -> None:
+def stage(state, g: ParameterGroup, i: int, value: torch.Tensor, grad: Optional[torch.Tensor],
+          dtype: torch.dtype) -> None:
     """Parameter ``i`` of ``g`` was converted to ``value`` (this rank's rows, a plain tensor), its
     gradient to ``grad``, and asks for original dtype ``dtype``: written into the group when it
     fits there, else left pending."""

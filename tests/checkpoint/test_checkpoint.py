@@ -37,7 +37,8 @@ def _sharded(kind, ws, seed=0, mp=MixedPrecisionPolicy(), fsdp2=False):
     mesh = init_device_mesh("cpu", (ws,))
     torch.manual_seed(seed)
     model = kind() if callable(kind) else build(kind, seed=seed)
-    shard = (lambda m: torch_fully_shard(m, mesh=mesh)) if fsdp2 else (lambda m: fully_shard(m, mesh=mesh, mp_policy=mp))
+    shard = ((lambda m: torch_fully_shard(m, mesh=mesh)) if fsdp2
+             else (lambda m: fully_shard(m, mesh=mesh, mp_policy=mp)))
     for b in model.blocks:
         shard(b)
     return shard(model)
@@ -186,7 +187,8 @@ def _resume_second(rank, ws, kind, opt_kinds, path):
         model = _sharded(kind, ws)
         opt = make_opt(ok, model.parameters())
         sd, aside = _load(model, opt, os.path.join(path, ok), args={"opt": "", "lr": 0.0})
-        assert aside == {} and sd["step"] == 3 and sd["args"] == {"opt": ok, "lr": 0.01}, (aside, sd["step"], sd["args"])
+        assert aside == {} and sd["step"] == 3 and sd["args"] == {"opt": ok, "lr": 0.01}, (
+            aside, sd["step"], sd["args"])
         full3 = _full(model, opt)
         losses = _train(model, opt, 3, sd["step"], rank, ws)
         out[ok] = dict(losses=losses, full3=full3, full6=_full(model, opt))
@@ -442,7 +444,8 @@ def test_fused_split_join(tmp_path):
     _join_all(want_model, want_optim)
     fc1, gate, up = _FC1[1]
     assert torch.equal(want_model[fc1], torch.cat([sep_model[gate], sep_model[up]]))
-    assert torch.equal(want_optim["state"][fc1]["exp_avg"], torch.cat([sep_optim["state"][gate]["exp_avg"], sep_optim["state"][up]["exp_avg"]]))
+    assert torch.equal(want_optim["state"][fc1]["exp_avg"],
+                       torch.cat([sep_optim["state"][gate]["exp_avg"], sep_optim["state"][up]["exp_avg"]]))
     assert any(r["straddles"] for r in results), "some rank should hold rows of both gate and up"
     for rank, r in enumerate(results):
         _assert_same(r["fused"], (want_model, want_optim), f"sep -> fused rank {rank}")

@@ -69,7 +69,8 @@ def test_no_backend_group_on_this_machine(world_of_one):
     assert devices.group_backend(world_of_one, "cpu") == devices.backend_for_device(config, "cpu") == "gloo"
     accelerator = "cuda" if torch.cuda.is_available() else None
     # No CUDA here: a CPU mesh. (With CUDA, torch gives such a group NCCL for it: a CUDA mesh.)
-    assert devices.default_mesh_device_type(accelerator, config) == ("cuda" if accelerator and "cuda:" in config else "cpu")
+    assert devices.default_mesh_device_type(accelerator, config) == (
+        "cuda" if accelerator and "cuda:" in config else "cpu")
 
 
 @pytest.mark.parametrize("case", GPU_GROUPS)

@@ -71,7 +71,8 @@ CUDA_CONFIGS = [
     ("caching", 2, "accumulate", "bf16", "gloo"),
 ]
 CUDA4_CONFIGS = [("trace_pool", 1, "plain", "fp64", "stream"), ("caching", 1, "accumulate", "bf16", "stream")]
-_RUNS = [("cpu", 2, c) for c in CPU_CONFIGS] + [("cuda", 2, c) for c in CUDA_CONFIGS] + [("cuda", 4, c) for c in CUDA4_CONFIGS]
+_RUNS = ([("cpu", 2, c) for c in CPU_CONFIGS] + [("cuda", 2, c) for c in CUDA_CONFIGS]
+         + [("cuda", 4, c) for c in CUDA4_CONFIGS])
 # One launch of ranks per (device, world size) serves all its cases: under pytest -n
 # --dist loadgroup its cases stay on one worker.
 CASES = [pytest.param(d, ws, c, id=f"{d}{ws}-" + "-".join(map(str, c)), marks=pytest.mark.xdist_group(f"slow-{d}{ws}"))
@@ -226,7 +227,8 @@ def test_training_with_slow_collectives_matches_the_reference_and_the_undelayed_
         c = r[cfg]
         assert c["issued"] > 0, c
         # the delay was there, and it mattered: the host went on (stream path) or waited early (gloo)
-        assert (c["overtaken"] if cfg[4] == "stream" else c["waited_early"]) > 0, {k: c[k] for k in ("issued", "waited_early", "overtaken")}
+        assert (c["overtaken"] if cfg[4] == "stream" else c["waited_early"]) > 0, {
+            k: c[k] for k in ("issued", "waited_early", "overtaken")}
         for name, v in c["params"].items():
             assert torch.equal(v, c["fast_params"][name]), f"rank {rank} {cfg} {name}: depends on collective timing"
         if ref is not None:
@@ -270,7 +272,8 @@ def test_real_gloo_with_cuda_tensors_trains_like_the_reference_without_blocking_
         for name, v in ref.items():
             assert_close_rel(r[real]["params"][name], v, f"rank {rank} real gloo {name}", REL_F64)
         issue_s, gpu_s = r["host_not_blocked"]
-        assert issue_s < gpu_s / 4, f"rank {rank}: the gather took {issue_s:.3f} s of host time, the GPU was busy {gpu_s:.3f} s"
+        assert issue_s < gpu_s / 4, (f"rank {rank}: the gather took {issue_s:.3f} s of host time, "
+                                     f"the GPU was busy {gpu_s:.3f} s")
 
 
 @needs_cuda

@@ -18,7 +18,9 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from mfsdp2 import fully_shard as mfsdp2_shard
 
 from .._dist import run_ranks
-from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, build, make_opt, reference_step, sharded_train_step
+from ..models import (
+    F64, REL_F64, assert_close_rel, assert_losses_close, build, make_opt, reference_step, sharded_train_step,
+)
 
 STEPS, GB = 3, 8
 
@@ -51,7 +53,8 @@ OPS = {
     "transpose_contiguous": (lambda d: d.transpose(0, 1).contiguous(), lambda t: t.T.contiguous()),
     "permute_clone": (lambda d: d.permute(1, 0).clone(), lambda t: t.T.clone()),
     "t_copy_into": (lambda d: torch.zeros_like(d.T).copy_(d.T), lambda t: t.T),
-    "add_t": (lambda d: d + d.T if d.shape[0] == d.shape[1] else d, lambda t: t + t.T if t.shape[0] == t.shape[1] else t),
+    "add_t": (lambda d: d + d.T if d.shape[0] == d.shape[1] else d,
+              lambda t: t + t.T if t.shape[0] == t.shape[1] else t),
 }
 
 

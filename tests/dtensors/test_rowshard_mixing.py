@@ -119,7 +119,8 @@ def _mixed_splits(rank, ws):
             b_val = b_full if oname in ("chunk", "replicate", "partial") else full[oname.split()[1]]
             for order in ("ours_first", "other_first"):
                 for op, (on_dtensor, on_full) in OPS.items():
-                    x, y, xf, yf = (p.detach(), b, full[k], b_val) if order == "ours_first" else (b, p.detach(), b_val, full[k])
+                    x, y, xf, yf = ((p.detach(), b, full[k], b_val) if order == "ours_first"
+                                    else (b, p.detach(), b_val, full[k]))
                     want = on_full(xf, yf)
                     got, err = _try(lambda: on_dtensor(x, y))
                     if not _agree(err is None):

@@ -35,7 +35,8 @@ def _rank(rank, ws):
 
     mesh = init_device_mesh("cpu", (ws,))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 6, bias=False), nn.Linear(6, 10, bias=False), nn.Linear(10, 8, bias=False)).double()
+    model = nn.Sequential(nn.Linear(6, 6, bias=False), nn.Linear(6, 10, bias=False),
+                          nn.Linear(10, 8, bias=False)).double()
     ref = {k: v.detach().clone() for k, v in model.named_parameters()}
     mfsdp2.fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.shape[0] == 8 else None)
     p0, p2 = model[0].weight, model[2].weight  # dim 0 (6, 6); dim 1 (8, 10)

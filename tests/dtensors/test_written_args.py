@@ -136,7 +136,8 @@ def _written_mismatch(rank, ws):
     src = distribute_tensor(torch.full(q.shape, 2.0, dtype=torch.float64), mesh, [Shard(0)])
     with torch.no_grad():
         torch.add(src, src, out=q)
-    outcomes["add out= same rows"] = (type(q.placements[0]).__name__, torch.equal(q.full_tensor(), torch.full(q.shape, 4.0, dtype=torch.float64)))
+    outcomes["add out= same rows"] = (type(q.placements[0]).__name__,
+                                      torch.equal(q.full_tensor(), torch.full(q.shape, 4.0, dtype=torch.float64)))
     return outcomes, p.placements[0].rows
 
 

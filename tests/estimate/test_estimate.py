@@ -5,7 +5,6 @@ the activations within stated tolerances)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -107,10 +106,12 @@ def test_strategies_offload_and_bad_input():
     assert sgd.sizes["optimizer_states"] == 0
     # reshard_after_forward=2 at 4 ranks keeps half the shards after forward, and the in-group
     # gather needs a full-size staging copy beside the weights: more than resharding fully
-    part = estimate_memory(model, units=TransformerBlock, mesh_shape=4, reshard_after_forward=2, batch_size=2, seq_len=16)
+    part = estimate_memory(model, units=TransformerBlock, mesh_shape=4, reshard_after_forward=2, batch_size=2,
+                           seq_len=16)
     full = estimate_memory(model, units=TransformerBlock, mesh_shape=4, batch_size=2, seq_len=16)
     assert part.peak_bytes > full.peak_bytes
-    for kw, msg in [(dict(mesh_shape=(2, 2), sharding_strategy="no_shard"), "1-D"), (dict(optimizer="lion"), "optimizer"),
+    for kw, msg in [(dict(mesh_shape=(2, 2), sharding_strategy="no_shard"), "1-D"),
+                    (dict(optimizer="lion"), "optimizer"),
                     (dict(mesh_shape=4, reshard_after_forward=3), "divisor"), (dict(rank=9, mesh_shape=4), "rank"),
                     (dict(allocator="x", mesh_shape=2), "allocator")]:
         with pytest.raises(ValueError, match=msg):

@@ -52,7 +52,8 @@ def assert_same_snapshots(ours: dict, theirs: dict, where: str, rel: float) -> N
     for k, (p, g) in theirs.items():
         po, go = ours[k]
         assert_close_rel(po, p, f"{where} param {k}", rel)
-        assert (go is None) == (g is None), f"{where} grad {k}: mfsdp2 {'None' if go is None else 'set'}, FSDP2 {'None' if g is None else 'set'}"
+        assert (go is None) == (g is None), (f"{where} grad {k}: mfsdp2 {'None' if go is None else 'set'}, "
+                                             f"FSDP2 {'None' if g is None else 'set'}")
         if g is not None:
             assert_close_rel(go, g, f"{where} grad {k}", rel)
 

@@ -51,7 +51,8 @@ def accumulation(shard, mesh, rank, lib, mode, raf, rab):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def flags(last):
-        targets = {"all": [(model, True)], "root_only": [(model, False)], "some": [(m, False) for m in model[1:3]]}[mode]
+        targets = {"all": [(model, True)], "root_only": [(model, False)],
+                   "some": [(m, False) for m in model[1:3]]}[mode]
         for m, recurse in targets:
             m.set_requires_gradient_sync(last, recurse=recurse)
             if not rab:
@@ -70,7 +71,8 @@ def accumulation(shard, mesh, rank, lib, mode, raf, rab):
             out["counts"].append((c[_counting.NAMES[0]], c[_counting.NAMES[1]]))
         else:
             # Small units on gloo reduce in a shared all-reduce bucket: one reduction each still.
-            out["counts"].append((comm_stats.all_gather_calls, comm_stats.reduce_scatter_calls + comm_stats.reduce_scatters_in_buckets))
+            out["counts"].append((comm_stats.all_gather_calls,
+                                  comm_stats.reduce_scatter_calls + comm_stats.reduce_scatters_in_buckets))
         out["grads"].append(snapshot(model))
         opt.step()
         opt.zero_grad(set_to_none=step % 2 == 1)  # step 0 keeps zeroed gradients to accumulate onto
@@ -197,7 +199,8 @@ def multi_forward_frozen(shard, mesh, rank, raf):
 
 CASES = (
     [("accumulation", c) for c in ACCUM]
-    + [("bias_only", (raf, after, ac)) for raf in (True, False, 1) for after in (False, True) for ac in (False, True) if raf is True or not ac]
+    + [("bias_only", (raf, after, ac)) for raf in (True, False, 1) for after in (False, True) for ac in (False, True)
+       if raf is True or not ac]
     + [("frozen_across_units", (raf,)) for raf in (True, False)]
     + [("multi_forward_frozen", (raf,)) for raf in (True, False, 1)]
 )
@@ -229,7 +232,8 @@ def test_matches_fsdp2(kind, args):
         for i, (a, b) in enumerate(zip(ours["losses"], theirs["losses"])):
             assert abs(a - b) <= REL_F64 * abs(b), f"{where} loss {i}: mfsdp2 {a}, FSDP2 {b}"
         if kind == "accumulation":
-            assert ours["counts"] == theirs["counts"], f"{where}: (all-gathers, reduce-scatters) per step {ours['counts']}, FSDP2 {theirs['counts']}"
+            assert ours["counts"] == theirs["counts"], (
+                f"{where}: (all-gathers, reduce-scatters) per step {ours['counts']}, FSDP2 {theirs['counts']}")
             for s, (go, gt) in enumerate(zip(ours["grads"], theirs["grads"])):
                 assert_same_snapshots(go, gt, f"{where} step {s}", REL_F64)
         else:

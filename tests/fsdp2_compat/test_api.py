@@ -85,7 +85,8 @@ class _DataParallelMeshDims:
 
     @property
     def replicate_names(self) -> tuple:
-        return () if self.replicate is None else (self.replicate,) if isinstance(self.replicate, str) else tuple(self.replicate)
+        return () if self.replicate is None else (
+            (self.replicate,) if isinstance(self.replicate, str) else tuple(self.replicate))
 
 
 def _dp_mesh_dims_class():
@@ -229,7 +230,8 @@ def _fsdp2_lacks(kind: str) -> Optional[str]:
 
 FSDP2_KINDS = tuple(k for k in SCENARIOS if k not in NOT_COMPARABLE and _fsdp2_lacks(k) is None)
 # FSDP2's result is the unsharded model's too (the others change the gradient on purpose).
-SAME_AS_UNSHARDED = {"list", "placement_fn", "offload", "dp_mesh_dims", "unshard_in_backward", "force_sum", "custom_comm", "knobs", "reset_iter_state"}
+SAME_AS_UNSHARDED = {"list", "placement_fn", "offload", "dp_mesh_dims", "unshard_in_backward", "force_sum",
+                     "custom_comm", "knobs", "reset_iter_state"}
 
 
 def _full(p, lib):

@@ -22,7 +22,6 @@ of this small model's units.
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.distributed.device_mesh import init_device_mesh
 import torch.distributed as dist
 
@@ -105,8 +104,8 @@ def _counts(rank, ws, schedule):
             if name == "fsdp2":
                 per_step.append(tuple(c[n] for n in _counting.NAMES))
             else:
-                per_step.append((comm_stats.all_gather_calls, comm_stats.reduce_scatter_calls, comm_stats.all_reduce_calls,
-                                 comm_stats.reduce_scatters_in_buckets))
+                per_step.append((comm_stats.all_gather_calls, comm_stats.reduce_scatter_calls,
+                                 comm_stats.all_reduce_calls, comm_stats.reduce_scatters_in_buckets))
         out[name] = per_step
     return out
 
@@ -115,7 +114,8 @@ def _counts(rank, ws, schedule):
 def test_collective_counts_match_fsdp2(schedule):
     for out in run_ranks(_counts, WS, schedule):
         for (ag1, rs1, ar1), (ag2, rs2, ar2, _) in zip(out["fsdp2"], out["mfsdp2"]):
-            assert (ag2, rs2) == (ag1, rs1), f"{schedule}: mfsdp2 all-gathers/reduce-scatters {(ag2, rs2)}, FSDP2 {(ag1, rs1)}"
+            assert (ag2, rs2) == (ag1, rs1), (f"{schedule}: mfsdp2 all-gathers/reduce-scatters {(ag2, rs2)}, "
+                                              f"FSDP2 {(ag1, rs1)}")
             assert ar2 == ar1, f"{schedule}: {ar2} all-reduces, FSDP2 {ar1}"
         for (ag1, rs1, ar1), (ag3, rs3, ar3, in_buckets) in zip(out["fsdp2"], out["mfsdp2_bucketed"]):
             # Every unit of this model is below the gloo all-reduce threshold: one bucket per step,

@@ -121,7 +121,8 @@ def test_get_state_dicts_match_fsdp2_for_every_option(kind, ws, hsdp):
     for rank, got in enumerate(results):
         for i, o in enumerate(GET_OPTIONS):
             for part in (0, 1):
-                _assert_same(got["mfsdp2", i][part], got["fsdp2", i][part], f"rank {rank} {o} {('model', 'optim')[part]}")
+                _assert_same(got["mfsdp2", i][part], got["fsdp2", i][part],
+                             f"rank {rank} {o} {('model', 'optim')[part]}")
             model_sd = got["fsdp2", i][0]
             if o["full_state_dict"] and o["cpu_offload"] and rank != 0:
                 assert model_sd == {}, "FSDP2 gives ranks other than 0 an empty dict here"

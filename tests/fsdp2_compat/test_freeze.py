@@ -6,12 +6,14 @@ buffers), never silently ignored."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from .._dist import run_ranks
-from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, build, make_opt, reference_step, sharded_train_step, shard_blocks
+from ..models import (
+    F64, REL_F64, assert_close_rel, assert_losses_close, build, make_opt, reference_step, sharded_train_step,
+    shard_blocks,
+)
 
 WS, STEPS, GB = 2, 3, 8
 

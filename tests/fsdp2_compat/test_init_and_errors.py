@@ -97,7 +97,8 @@ def parameters(shard, mesh):
         rows = []
         for k, p in model.named_parameters():
             rows.append(
-                (k, tuple(p.shape), p.stride(), p.dtype, p.requires_grad, p.is_leaf, isinstance(p, nn.Parameter), _is_dt(p))
+                (k, tuple(p.shape), p.stride(), p.dtype, p.requires_grad, p.is_leaf, isinstance(p, nn.Parameter),
+                 _is_dt(p))
             )
             assert p.device_mesh == mesh and len(p.placements) == 1 and p.placements[0].is_shard(0), (k, p.placements)
             assert torch.equal(full(p), orig[k]), k
@@ -218,7 +219,8 @@ def errors(shard, mesh):
     rec("module_dict", lambda: shard(nn.ModuleDict({"a": nn.Linear(2, 2)}), mesh=mesh))
     rec("scalar_parameter", scalar)
     rec("mesh_3d", lambda: shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (WS, 1, 1))))
-    rec("shard_dim_missing", lambda: shard(nn.Sequential(nn.Linear(16, 16)), mesh=mesh, shard_placement_fn=lambda p: Shard(1)))
+    rec("shard_dim_missing",
+        lambda: shard(nn.Sequential(nn.Linear(16, 16)), mesh=mesh, shard_placement_fn=lambda p: Shard(1)))
     rec("meta_forward", meta_forward)
     rec("prefetch_not_a_unit", lambda: units()[0].set_modules_to_forward_prefetch([units()[1]]))
     rec("reset_below_root", reset_below_root)
@@ -258,7 +260,8 @@ def channels_last(rank, ws):
     from mfsdp2 import fully_shard
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(4, 6, 3), nn.ReLU(), nn.Conv2d(6, 2, 3)).double().to(memory_format=torch.channels_last)
+    model = nn.Sequential(nn.Conv2d(4, 6, 3), nn.ReLU(), nn.Conv2d(6, 2, 3)).double().to(
+        memory_format=torch.channels_last)
     ref = copy.deepcopy(model)
     assert not model[0].weight.is_contiguous()
     fully_shard(model, mesh=init_device_mesh("cpu", (ws,)))
@@ -303,7 +306,8 @@ def test_registered_parameters_match_fsdp2(what):
         assert not any(theirs[("False", False)]["after_forward"].values())
         assert not any(theirs[("1", True)]["after_forward"].values())  # kept whole (world size 1)
         assert all(theirs[("True", True)]["after_forward"].values())
-        assert all(all(r["after_reshard"].values()) and all(r["after_backward"].values()) and r["values"] for r in theirs.values())
+        assert all(all(r["after_reshard"].values()) and all(r["after_backward"].values()) and r["values"]
+                   for r in theirs.values())
 
 
 def test_class_swap_and_slicing_match_fsdp2():

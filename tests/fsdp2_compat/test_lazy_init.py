@@ -473,7 +473,7 @@ def _run(rank, ws):
             try:
                 model, info = make(rt, mesh, ref, rank, ws)
                 out["flows"][(flow, rt)] = {**_train(model, rank, ws, info.pop("before_first_forward", None)), **info}
-            except Exception as e:  # noqa: BLE001 - reported by the test, with the flow's name
+            except Exception:  # noqa: BLE001 - reported by the test, with the flow's name
                 import traceback
 
                 out["flows"][(flow, rt)] = {"error": traceback.format_exc()}

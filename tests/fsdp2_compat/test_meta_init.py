@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from .._dist import run_ranks
-from ..models import assert_close_rel, batch, build, loss_fn, make_opt, sharded_train_step, shard_blocks
+from ..models import assert_close_rel, batch, build, loss_fn, make_opt, shard_blocks
 
 WS, STEPS, GB = 2, 3, 8
 REL = 1e-10

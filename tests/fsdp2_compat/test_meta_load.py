@@ -148,7 +148,8 @@ def _reference():
     return reference_run("net", "adamw", STEPS, GB, dtype=F64)
 
 
-CASES = [(s, h) for s in STRATEGIES for h in ("dsd_broadcast", "dsd_full", "accelerate", "assign_fsdp2_sd", "assign_mfsdp2_sd", "mfsdp2_helper")]
+CASES = [(s, h) for s in STRATEGIES
+         for h in ("dsd_broadcast", "dsd_full", "accelerate", "assign_fsdp2_sd", "assign_mfsdp2_sd", "mfsdp2_helper")]
 CASES += [("no_shard", "dsd_broadcast"), "optimizer_before_load", "completed_later"]
 
 
@@ -175,4 +176,5 @@ def test_meta_model_initialised_by_loading(case):
 def test_partial_load_and_meta_sources():
     for r in _results():
         assert "meta device" in r["partial_forward"], r["partial_forward"]
-        assert "on the meta device (no values" in r["meta_source"] and "'inp.weight'" in r["meta_source"], r["meta_source"]
+        assert ("on the meta device (no values" in r["meta_source"]
+                and "'inp.weight'" in r["meta_source"]), r["meta_source"]

@@ -34,7 +34,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp2.base import compat
@@ -218,7 +217,8 @@ CAST_FACTS = {
     "external_cast": lambda r: r["c2.extra"] == torch.float16,
     "external_no_cast": lambda r: r["c2.extra"] == torch.float32,
     # torch 2.13's FSDP2 casts a grouped unit's inputs before each of its modules
-    "grouped": lambda r: r == {"root": torch.bfloat16, "c1": torch.bfloat16, "c2": torch.bfloat16, "out": torch.bfloat16},
+    "grouped": lambda r: r == {"root": torch.bfloat16, "c1": torch.bfloat16, "c2": torch.bfloat16,
+                               "out": torch.bfloat16},
 }
 
 
@@ -270,7 +270,8 @@ def reduce_dtype_kept(shard, mesh, rank):
     model.to(torch.float32)
     with _reduce_dtypes() as seen:
         model(torch.randn(4, 8)).sum().backward()
-    return {"reduce_dtypes": sorted(set(map(str, seen))), "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+    return {"reduce_dtypes": sorted(set(map(str, seen))),
+            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
 
 
 def _rank(rank, ws):
@@ -294,7 +295,8 @@ def _results():
 def test_policy_reduces_in_fsdp2s_dtype_with_fsdp2s_values(policy):
     p = POLICIES[policy]
     reduce = p.get("reduce_dtype") or p["param_dtype"]
-    rel = 2 * torch.finfo(reduce).eps if torch.finfo(reduce).eps > torch.finfo(p["param_dtype"]).eps else 2 * torch.finfo(p["param_dtype"]).eps
+    rel = (2 * torch.finfo(reduce).eps if torch.finfo(reduce).eps > torch.finfo(p["param_dtype"]).eps
+           else 2 * torch.finfo(p["param_dtype"]).eps)
     for rank, res in enumerate(_results()):
         ours, theirs = res[("policy", policy, "mfsdp2")], res[("policy", policy, "fsdp2")]
         where = f"{policy} rank {rank}"

@@ -114,7 +114,8 @@ def _reference(kind: str):
 def _rowshard_full(t, like):
     """Full value of an mfsdp2 parameter (or its grad's rows) with plain collectives."""
     (pl,) = like.placements
-    local = t._local_tensor.detach() if t is not None else like._local_tensor.detach().new_zeros(like._local_tensor.shape)
+    local = (t._local_tensor.detach() if t is not None
+             else like._local_tensor.detach().new_zeros(like._local_tensor.shape))
     return pl._to_replicate_tensor(local, like.device_mesh, 0, like.shape).clone()
 
 

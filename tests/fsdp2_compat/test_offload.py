@@ -170,7 +170,8 @@ def _strategies(rank, ws, mesh):
     model is the reference. FSDP2's default CPUOffloadPolicy() (pin_memory=True) is accepted."""
     out = {}
     for strategy in ("optim_grads", "optim", "no_shard"):
-        model = shard_blocks(build("net", dtype=F64), mesh, offload_policy=CPUOffloadPolicy(), sharding_strategy=strategy)
+        model = shard_blocks(build("net", dtype=F64), mesh, offload_policy=CPUOffloadPolicy(),
+                             sharding_strategy=strategy)
         opt = make_opt("adamw", model.parameters())
         losses = [_step(model, opt, s, rank, ws)[0] for s in range(STEPS)]
         out[strategy] = (losses, snapshot(model), _offload_facts(model, opt))
@@ -199,7 +200,8 @@ def _bf16_pairs(rank, ws, mesh):
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.item())
-            runs[name] = (losses, {k: p.to_local().clone() for k, p in model.named_parameters()}, _offload_facts(model, opt))
+            runs[name] = (losses, {k: p.to_local().clone() for k, p in model.named_parameters()},
+                          _offload_facts(model, opt))
         out[strategy] = runs
     return out
 
@@ -230,7 +232,8 @@ def _conversions(rank, ws, mesh):
     model = shard_blocks(build("net"), mesh, offload_policy=OFF)
     model.to(F64)
     opt = make_opt("adamw", model.parameters())
-    out["to_float64"] = ([_step(model, opt, s, rank, ws)[0] for s in range(STEPS)], snapshot(model), _offload_facts(model, opt))
+    out["to_float64"] = ([_step(model, opt, s, rank, ws)[0] for s in range(STEPS)], snapshot(model),
+                         _offload_facts(model, opt))
     with torch.device("meta"):
         meta = build("net").to(F64)
     shard_blocks(meta, mesh, offload_policy=OFF)
@@ -243,7 +246,8 @@ def _conversions(rank, ws, mesh):
 
 def _meta_offload(rank, ws, mesh):
     """A model built on the meta device and sharded with offload keeps everything on meta (no
-    host or device bytes; tests/frontend/test_meta_init.py counts them without offload) until its init, then gets host main state: ``mfsdp2.materialize``
+    host or device bytes; tests/frontend/test_meta_init.py counts them without offload)
+    until its init, then gets host main state: ``mfsdp2.materialize``
     (the normal build's draw, see tests/frontend/test_meta_init.py) then ``.to(float64)`` (groups rebuilt
     on the host), or FSDP2's ``to_empty(device="cpu")`` and a ``copy_`` init. ZeRO-3, and the
     persistent strategies, whose main weights never share the model buffer under offload."""
@@ -348,7 +352,8 @@ def _assert_state_dicts_like_fsdp2(r: dict, where: str) -> None:
     loaded into a fresh offloaded mfsdp2 model continues exactly as FSDP2 does."""
     for i, o in enumerate(GET_OPTIONS):
         for part in (0, 1):
-            _assert_same(r["get", "mfsdp2", i][part], r["get", "fsdp2", i][part], f"{where} {o} {('model', 'optim')[part]}")
+            _assert_same(r["get", "mfsdp2", i][part], r["get", "fsdp2", i][part],
+                         f"{where} {o} {('model', 'optim')[part]}")
     (lt, st, ft), (lo, so, fo) = r["resumed"]["fsdp2"], r["resumed"]["mfsdp2"]
     assert abs(lo - lt) <= REL_F64 * abs(lt), (where, lo, lt)
     assert_same_snapshots(so, st, f"{where} resumed step", REL_F64)
@@ -422,7 +427,8 @@ def test_bf16_compute_offload_equals_device_run_bitwise(strategy):
         where = f"{strategy} rank {rank}"
         _assert_offload_path(off[2], STEPS, where)
         # the control takes the other path: no copy-out, the main grad from the allocator
-        assert not any(dev[2]["offloaded"]) and set(dev[2]["copy_outs"]) == {0} and dev[2]["main_grad_blocks"] > 0, where
+        assert (not any(dev[2]["offloaded"]) and set(dev[2]["copy_outs"]) == {0}
+                and dev[2]["main_grad_blocks"] > 0), where
         assert off[0] == dev[0], (where, off[0], dev[0])
         for k, v in dev[1].items():
             assert torch.equal(off[1][k], v), f"{where} {k}"
@@ -482,13 +488,15 @@ def _rank4(rank, ws):
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = shard_blocks(build("net", dtype=F64), hsdp, offload_policy=OFF)
     opt = make_opt("adamw", model.parameters())
-    out["hsdp"] = ([_step(model, opt, s, rank, ws)[0] for s in range(STEPS)], snapshot(model), _offload_facts(model, opt))
+    out["hsdp"] = ([_step(model, opt, s, rank, ws)[0] for s in range(STEPS)], snapshot(model),
+                   _offload_facts(model, opt))
     # FSDP x TP: (dp=2, tp=2), blocks tensor-parallel, then sharded over dp with offload
     tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = tp_build(tp, "optim_grads_params", offload_policy=OFF)
     opt = make_opt("adamw", model.parameters())
     dp = (tp.get_local_rank(0), 2)
-    out["tp"] = ([_step(model, opt, s, rank, ws, dp=dp)[0] for s in range(STEPS)], snapshot(model), _offload_facts(model, opt))
+    out["tp"] = ([_step(model, opt, s, rank, ws, dp=dp)[0] for s in range(STEPS)], snapshot(model),
+                 _offload_facts(model, opt))
     return out
 
 

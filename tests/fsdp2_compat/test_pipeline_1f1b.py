@@ -6,7 +6,6 @@ identical up to reduction-order rounding, REL_F64)."""
 
 from __future__ import annotations
 
-import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from . import sharded_pair

@@ -126,7 +126,8 @@ def _train(rank, mesh, runtime, schedule, stage_cls, raf, reshard_after_backward
         else:
             # A unit's reduction shared a bucketed all-reduce (small units, two ranks, gloo): counted
             # as the reduce-scatter it replaces, and that bucket's all-reduce not at all.
-            counts = (comm_stats.all_gather_calls, comm_stats.reduce_scatter_calls + comm_stats.reduce_scatters_in_buckets,
+            counts = (comm_stats.all_gather_calls,
+                      comm_stats.reduce_scatter_calls + comm_stats.reduce_scatters_in_buckets,
                       comm_stats.all_reduce_calls - comm_stats.all_reduce_buckets)
         out.append(([t.item() for t in losses], {k: (full(p), full(p.grad)) for k, p in named}, counts))
         opt.step()
@@ -210,7 +211,8 @@ def _check(outs, ws):
                 # units that pass left gathered (``kept``) and gathers them once fewer than mfsdp2.
                 (ag1, rs1, ar1), (ag2, rs2, ar2) = theirs[step][2], ours[step][2]
                 extra = 0 if step or _CLEANS_UP_AFTER_INFERENCE else by_runtime["fsdp2"][2]
-                assert (ag2, rs2, ar2) == (ag1 + extra, rs1, ar1), (case, stage_cls, step, extra, theirs[step][2], ours[step][2])
+                assert (ag2, rs2, ar2) == (ag1 + extra, rs1, ar1), (case, stage_cls, step, extra, theirs[step][2],
+                                                                     ours[step][2])
 
 
 @pytest.mark.slow

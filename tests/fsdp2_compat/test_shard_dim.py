@@ -22,7 +22,6 @@ helpers refuse such models (E43) and tensor-parallel parameters refuse ``Shard(1
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 
@@ -225,12 +224,14 @@ def _facts(mesh, rank: int) -> dict:
     ours = _wrap(_build("moe"), mfsdp2.fully_shard, mesh, "dim1")
     theirs = _wrap(_build("moe"), torch_shard, mesh, "dim1")
     out["placements"] = {
-        k: (repr(p.placements[0]), repr(dict(theirs.named_parameters())[k].placements[0])) for k, p in ours.named_parameters()
+        k: (repr(p.placements[0]), repr(dict(theirs.named_parameters())[k].placements[0]))
+        for k, p in ours.named_parameters()
     }
     out["full_is_param"] = {k: torch.equal(full(p), v) for (k, p), v in zip(ours.named_parameters(), base.parameters())}
     sd_o, sd_t = ours.state_dict(), theirs.state_dict()
     out["sd_keys"] = (list(sd_o), list(sd_t))
-    out["sd_values"] = {k: (tuple(v.shape) == tuple(sd_t[k].shape), torch.equal(full(v), full(sd_t[k]))) for k, v in sd_o.items()}
+    out["sd_values"] = {k: (tuple(v.shape) == tuple(sd_t[k].shape), torch.equal(full(v), full(sd_t[k])))
+                        for k, v in sd_o.items()}
     # FSDP2's Shard(d) DTensors (torch.chunk slices) loaded with load_state_dict: FSDP2's values.
     other = _wrap(_build("moe"), mfsdp2.fully_shard, mesh, "dim1")
     with torch.no_grad():
@@ -267,11 +268,13 @@ def _facts(mesh, rank: int) -> dict:
             m.reset_parameters()
 
     mfsdp2.materialize(meta, init_fn=init)
-    out["materialize"] = {k: torch.equal(full(p), v) for (k, p), v in zip(meta.named_parameters(), base.parameters()) if "experts" in k}
+    out["materialize"] = {k: torch.equal(full(p), v) for (k, p), v in zip(meta.named_parameters(), base.parameters())
+                          if "experts" in k}
     # A dtype conversion after fully_shard keeps the layout.
     conv = _wrap(_build("moe"), mfsdp2.fully_shard, mesh, "dim1").to(torch.float32)
     out["to_float32"] = {
-        k: (torch.equal(full(p), v.float()), repr(p.placements[0])[:14]) for (k, p), v in zip(conv.named_parameters(), base.parameters())
+        k: (torch.equal(full(p), v.float()), repr(p.placements[0])[:14])
+        for (k, p), v in zip(conv.named_parameters(), base.parameters())
     }
     try:
         msd.get_model_state_dict(ours, options=msd.StateDictOptions(full_state_dict=True))

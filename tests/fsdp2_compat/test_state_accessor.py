@@ -52,7 +52,8 @@ def _facts(shard, mesh, rank):
     shard(model, mesh=mesh)
     st = shard.state
     names = {id(m): n or "root" for n, m in model.named_modules()}
-    units = {"root": model, "0.in_proj": model[0].in_proj, "0.out_proj": model[0].out_proj, "2.in_proj": model[2].in_proj}
+    units = {"root": model, "0.in_proj": model[0].in_proj, "0.out_proj": model[0].out_proj,
+             "2.in_proj": model[2].in_proj}
     states = {k: st(m) for k, m in units.items()}
     out = {
         "not_units": [st(m) is None for m in (model[1], model[1].in_proj, model[0])],
@@ -77,7 +78,8 @@ def _facts(shard, mesh, rank):
     out["module_fqn"] = {k: g._module_fqn for k, g in groups.items()}
     params = dict(model.named_parameters())
     out["params"] = {
-        k: sorted((fp._param_fqn, tuple(fp._orig_size), fp.sharded_param is params[fp._param_fqn]) for fp in g.fsdp_params)
+        k: sorted((fp._param_fqn, tuple(fp._orig_size), fp.sharded_param is params[fp._param_fqn])
+                  for fp in g.fsdp_params)
         for k, g in groups.items()
     }
     # torch 2.11's FSDP2 state has only ``_fsdp_param_group`` (one group per unit, or None); its

@@ -110,7 +110,8 @@ def load_new_dtensors(shard, mesh, rank):
     model.load_state_dict(sd)
     return {
         "values": all(torch.equal(full(p), torch.full(p.shape, 7.0, dtype=p.dtype)) for p in model.parameters()),
-        "in_place": all(p.to_local().data_ptr() == ptrs[k] for k, p in model.named_parameters() if p.to_local().numel()),
+        "in_place": all(p.to_local().data_ptr() == ptrs[k] for k, p in model.named_parameters()
+                        if p.to_local().numel()),
     }
 
 
@@ -205,10 +206,12 @@ def reductions(shard, mesh, rank):
         "amin": lambda g: g.amin(),
         "norm_inf": lambda g: torch.linalg.vector_norm(g, float("inf")),
     }
-    return {(k, name): (full(f(p.grad)), f(full(p.grad))) for k, p in model.named_parameters() for name, f in ops.items()}
+    return {(k, name): (full(f(p.grad)), f(full(p.grad)))
+            for k, p in model.named_parameters() for name, f in ops.items()}
 
 
-CASES = (keys_and_values, after_forward, aliasing, load_new_dtensors, meta_init_from_state_dict, full_on_rank0, clip, reductions)
+CASES = (keys_and_values, after_forward, aliasing, load_new_dtensors, meta_init_from_state_dict, full_on_rank0, clip,
+         reductions)
 
 
 def _rank(rank, ws):
@@ -286,7 +289,8 @@ def test_torch_clip_grad_norm_matches_fsdp2(norm_type):
         assert ours["all_reduces"] == theirs["all_reduces"], (ours["all_reduces"], theirs["all_reduces"])
         assert_close_rel(ours["total"], theirs["total"], "total norm", REL_F64)
         grads = torch.cat([g.flatten() for g in theirs["before"].values()])
-        assert_close_rel(theirs["total"], torch.linalg.vector_norm(grads, norm_type), "FSDP2 vs unsharded norm", REL_F64)
+        assert_close_rel(theirs["total"], torch.linalg.vector_norm(grads, norm_type), "FSDP2 vs unsharded norm",
+                         REL_F64)
         assert theirs["total"] > 0.5, "clipping must be active"
         for k, g in theirs["after"].items():
             assert_close_rel(ours["before"][k], theirs["before"][k], f"grad {k}", REL_F64)

@@ -68,7 +68,8 @@ def clip(shard, mesh, rank):
                 grads = snapshot(model)
                 opt.step()
                 opt.zero_grad()
-            out[f"norm {norm_type} foreach={foreach}"] = {"losses": losses, "values": norms, "grads": grads, "final": snapshot(model)}
+            out[f"norm {norm_type} foreach={foreach}"] = {"losses": losses, "values": norms, "grads": grads,
+                                                          "final": snapshot(model)}
         model = _model(shard, mesh)
         _loss(model, 0, rank).backward()
         torch.nn.utils.clip_grad_value_(model.parameters(), 0.01, foreach=foreach)
@@ -234,7 +235,8 @@ def _results():
 
 def _compare(ours, theirs, where):
     if "error" in theirs or "error" in ours:
-        assert ours.get("error") is None, f"{where}: mfsdp2 raised {ours['error']} (FSDP2: {theirs.get('error', 'ran')})"
+        assert ours.get("error") is None, (f"{where}: mfsdp2 raised {ours['error']} "
+                                           f"(FSDP2: {theirs.get('error', 'ran')})")
         raise AssertionError(f"{where}: FSDP2 raised {theirs['error']} where mfsdp2 ran")
     if "final" not in theirs:
         assert set(ours) == set(theirs), where

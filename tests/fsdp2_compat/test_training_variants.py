@@ -186,7 +186,8 @@ class Wrap(nn.Module):
         self.kind = kind
 
     def forward(self, x):
-        return {"list": lambda: [x], "namedtuple": lambda: _NT(x, torch.ones_like(x)), "tuple": lambda: (x,), "dict": lambda: {"x": x}}[self.kind]()
+        return {"list": lambda: [x], "namedtuple": lambda: _NT(x, torch.ones_like(x)), "tuple": lambda: (x,),
+                "dict": lambda: {"x": x}}[self.kind]()
 
 
 class OnContainer(nn.Module):
@@ -250,7 +251,8 @@ def tied_parameters(shard, mesh, rank):
         if grouping == "grouped":
             shard([model.tok, model.out], mesh=mesh)
         shard(model, mesh=mesh)
-        out[grouping] = _train(model, STEPS, lambda m, s: F.cross_entropy(m(_ids(s, rank)).view(-1, V), _ids(s + 1, rank).view(-1)))
+        out[grouping] = _train(model, STEPS,
+                               lambda m, s: F.cross_entropy(m(_ids(s, rank)).view(-1, V), _ids(s + 1, rank).view(-1)))
     return out
 
 

@@ -27,7 +27,10 @@ from mfsdp2.groups.grad_buckets import BucketMemberHandle, GradientBuckets, _pla
 from mfsdp2.memory.allocator import CachingAllocator
 
 from .._dist import run_ranks
-from ..models import F64, REL_F64, Net, assert_close_rel, assert_losses_close, batch, loss_fn, make_opt, reference_run, sharded_train_step
+from ..models import (
+    F64, REL_F64, Net, assert_close_rel, assert_losses_close, batch, loss_fn, make_opt, reference_run,
+    sharded_train_step,
+)
 
 GLOBAL_BATCH = 8
 STEPS = 5
@@ -96,13 +99,13 @@ def _check_grads(model, ref: dict, scale: float, where: str) -> None:
         assert_close_rel(p.grad.full_tensor(), ref[k] * scale, f"{where} {k}", REL_F64)
 
 
-def _twice(model, rank, ws, step, check) -> None:
+def _twice(model, rank, ws, step, ref: dict, scale: float, where: str) -> None:
     """Two backwards of the same batch: the first (re)records the order, the second follows the
     plan made from it; both must give the reference's gradients."""
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         _backward(model, rank, ws, step)
-        check()
+        _check_grads(model, ref, scale, where)
 
 
 def _bucket_run(rank, ws):
@@ -123,18 +126,18 @@ def _bucket_run(rank, ws):
             assert per_step == BUCKETS_PER_STEP[cap_name], (where, per_step)
             full = {k: p.full_tensor().clone() for k, p in model.named_parameters()}
             ref = _reference_grads(full, [7])
-            _twice(model, rank, ws, 7, lambda: _check_grads(model, ref, 1.0, f"{where} mean"))
+            _twice(model, rank, ws, 7, ref, 1.0, f"{where} mean")
             model.set_gradient_divide_factor(1.0, recurse=True)  # a sum over the ranks
-            _twice(model, rank, ws, 7, lambda: _check_grads(model, ref, float(ws), f"{where} sum"))
+            _twice(model, rank, ws, 7, ref, float(ws), f"{where} sum")
             model.set_gradient_divide_factor(None, recurse=True)
             units = [m for m in model.modules() if hasattr(m, "_mfsdp2_state")]
             for m in units:  # not recursive, as in FSDP2
                 m.set_force_sum_reduction_for_comms(True)
-            _twice(model, rank, ws, 7, lambda: _check_grads(model, ref, 1.0, f"{where} force-sum"))
+            _twice(model, rank, ws, 7, ref, 1.0, f"{where} force-sum")
             for m in units:
                 m.set_force_sum_reduction_for_comms(False)
                 m.set_all_reduce_hook(lambda t: t.mul_(3.0))
-            _twice(model, rank, ws, 7, lambda: _check_grads(model, ref, 3.0, f"{where} all-reduce hook"))
+            _twice(model, rank, ws, 7, ref, 3.0, f"{where} all-reduce hook")
             for m in units:
                 m.set_all_reduce_hook(None)
             # Accumulation: two micro-batches, only the second synchronises.

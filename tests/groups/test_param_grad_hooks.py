@@ -73,7 +73,8 @@ def _sharded(rank, ws, kwargs, before, sync_off):
         _schedule(model, step, rank, ws, handles, sync_off)
         opt.step()
         opt.zero_grad()
-        weights.append({k: p.full_tensor().detach().clone() for k, p in model.named_parameters()})  # no_shard: an alias otherwise
+        # no_shard: an alias otherwise
+        weights.append({k: p.full_tensor().detach().clone() for k, p in model.named_parameters()})
     return weights, len(calls)
 
 

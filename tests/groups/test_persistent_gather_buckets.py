@@ -42,7 +42,9 @@ from mfsdp2.comm.communicator import comm_stats
 from .._dist import run_ranks
 from .._slow_collectives import SlowCollectives
 from ..fsdp2_compat import assert_same_snapshots, runtimes, snapshot
-from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, loss_fn, make_opt, reference_step, sharded_train_step
+from ..models import (
+    F64, REL_F64, assert_close_rel, assert_losses_close, batch, loss_fn, make_opt, reference_step, sharded_train_step,
+)
 
 GLOBAL_BATCH = 8
 D = 8
@@ -237,7 +239,8 @@ def test_parity_with_slow_collectives():
 # -- bitwise: buckets against per-unit gathers -------------------------------------------------
 CASES = {
     "optim bf16": dict(sharding_strategy="optim", mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
-    "optim_grads bf16": dict(sharding_strategy="optim_grads", mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+    "optim_grads bf16": dict(sharding_strategy="optim_grads",
+                             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
     "no_shard bf16": dict(sharding_strategy="no_shard", mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
     "optim_grads offload": dict(sharding_strategy="optim_grads", offload_policy=CPUOffloadPolicy(pin_memory=False)),
     "optim trace_pool": dict(sharding_strategy="optim", allocator="trace_pool"),

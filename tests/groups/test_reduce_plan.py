@@ -45,7 +45,8 @@ def _is_premul(op) -> bool:
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-CASES = list(itertools.product(DTYPES, (1, 2, 4), (1, 2), (None, 1.0, 2.0, 3.0, 4.0, 8.0), (False, True), (True, False)))
+CASES = list(itertools.product(DTYPES, (1, 2, 4), (1, 2), (None, 1.0, 2.0, 3.0, 4.0, 8.0), (False, True),
+                               (True, False)))
 
 
 @pytest.mark.parametrize("dtype,shard,replicas,factor,force_sum,nccl", CASES)

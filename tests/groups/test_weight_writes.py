@@ -173,7 +173,8 @@ def test_writes_are_seen_bf16_compute(strategy):
 
 
 def test_writes_are_seen_fp8_gather():
-    _assert_all_seen(run_ranks(_run, 2, "optim_grads_params", torch.float32, torch.bfloat16, True), "ZeRO-3, FP8 gather")
+    _assert_all_seen(run_ranks(_run, 2, "optim_grads_params", torch.float32, torch.bfloat16, True),
+                     "ZeRO-3, FP8 gather")
 
 
 def _offloaded(rank, ws):
@@ -189,7 +190,8 @@ def test_writes_are_seen_with_cpu_offload():
 
 
 def _world_size_one(rank, ws):
-    return [r for s in ("optim_grads", "optim", "no_shard") for r in _run(rank, ws, s, torch.float32, torch.bfloat16, False)]
+    return [r for s in ("optim_grads", "optim", "no_shard")
+            for r in _run(rank, ws, s, torch.float32, torch.bfloat16, False)]
 
 
 def test_writes_are_seen_at_world_size_one():

@@ -17,7 +17,8 @@ What is Lightning's and what is ours:
   variables again.
 * Observation only: hooks of the LightningModule record each micro-batch's loss, the full
   gradients before clipping (``on_before_optimizer_step``, which Lightning calls right before
-  it clips) and after clipping (``optimizer_step``, after Lightning's own step, which runs the closure, clips and steps), and the
+  it clips) and after clipping (``optimizer_step``, after Lightning's own step, which runs the
+  closure, clips and steps), and the
   norm the clip saw (recomputed by ``torch.nn.utils.get_total_norm`` on the same DTensor
   gradients, the function ``clip_grad_norm_`` calls).
 """

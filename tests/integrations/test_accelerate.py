@@ -27,7 +27,6 @@ them back by hand.
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("accelerate", reason="accelerate is in the test extras: pip install -e '.[test]'")
 

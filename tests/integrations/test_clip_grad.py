@@ -76,7 +76,8 @@ def _sharded(rank, ws, kind, strategy, norm_type, subset, assigned):
 def test_clip_grad_norm_matches_torch_on_the_unsharded_model(kind, ws, strategy, subset, assigned, norm_type):
     ref_total, ref_grads, ref_norms = _reference(kind, norm_type, subset, assigned)
     ref_model = build(kind)
-    names = [n for n, _ in (ref_model.blocks.named_parameters(prefix="blocks") if subset else ref_model.named_parameters())]
+    names = [n for n, _ in (ref_model.blocks.named_parameters(prefix="blocks") if subset
+                            else ref_model.named_parameters())]
     for total, grads, norms in run_ranks(_sharded, ws, kind, strategy, norm_type, subset, assigned):
         assert_close_rel(total.reshape(()), ref_total, "total norm", REL_F64)
         for n, g in ref_grads.items():

@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 
 from .._dist import run_ranks
-from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, build, make_opt, reference_run, sharded_train_step
+from ..models import (
+    F64, REL_F64, assert_close_rel, assert_losses_close, build, make_opt, reference_run, sharded_train_step,
+)
 
 STEPS = 6
 GLOBAL_BATCH = 8

@@ -90,7 +90,8 @@ def _report(res: dict) -> None:
             lines.append(f"  {name:<22} failed: {r.error.strip().splitlines()[-1]}")
             continue
         med = statistics.median(r.step_times[1:]) if len(r.step_times) > 1 else float("nan")
-        lines.append(f"  {name:<22} {med:6.3f}   first {r.step_times[0]:6.3f}   losses {['%.6f' % x for x in r.losses]}")
+        lines.append(f"  {name:<22} {med:6.3f}   first {r.step_times[0]:6.3f}   "
+                     f"losses {['%.6f' % x for x in r.losses]}")
     print("\n".join(lines))
 
 

@@ -18,7 +18,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from mfsdp2 import fully_shard
 
 from .._dist import run_ranks
-from ..models import F64, REL_F64, Net, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, reference_run, reference_step, sharded_train_step
+from ..models import (
+    F64, REL_F64, Net, assert_close_rel, assert_losses_close, build, make_opt, reference_run, reference_step,
+    sharded_train_step,
+)
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -130,7 +133,8 @@ def _tied_dp_tp(rank, ws):
     assert isinstance(w, DTensor) and w.shape == (16, 40) and w.placements[0] == Shard(1), (w.shape, w.placements)
     assert model.proj.weight is model.blocks[0].fc1.weight
     opt = make_opt("adamw", model.parameters())
-    losses = [sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH, dp=(mesh.get_local_rank(0), 2)) for step in range(STEPS)]
+    losses = [sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH, dp=(mesh.get_local_rank(0), 2))
+              for step in range(STEPS)]
     return losses, {k: p.full_tensor() for k, p in model.named_parameters()}
 
 

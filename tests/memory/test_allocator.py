@@ -19,7 +19,9 @@ from mfsdp2.memory.pool_plan import Interval, PoolPlan, check_plan, max_live, pl
 
 from .._dist import run_ranks
 from .._optional import given, settings, st
-from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, reference_run, reference_step
+from ..models import (
+    F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, reference_run, reference_step,
+)
 
 ALIGN = 16
 
@@ -292,7 +294,8 @@ def _train_mixed(rank, ws, alloc_name):
 def test_parity_per_allocator_with_eval_and_accumulation_between_steps(alloc_name):
     ref_losses, ref_evals, ref_params = _mixed_reference()
     for rank, (losses, evals, params, cls) in enumerate(run_ranks(_train_mixed, 2, alloc_name)):
-        assert cls == {"dynamic": "DynamicAllocator", "caching": "CachingAllocator", "trace_pool": "TracePoolAllocator"}[alloc_name]
+        assert cls == {"dynamic": "DynamicAllocator", "caching": "CachingAllocator",
+                       "trace_pool": "TracePoolAllocator"}[alloc_name]
         # Eval outputs, losses and weights against the unsharded model (float64, REL_F64: see
         # tests/models.py); an eval that saw stale or half-gathered weights is off by >= 1e-3.
         assert_losses_close(evals, ref_evals, f"rank {rank} eval", REL_F64)
@@ -332,7 +335,8 @@ def _steady(rank, ws, alloc_name, model_kind, fresh_bytes=None):
 
     for u in units:
         fully_shard(u, mesh=mesh)
-    fully_shard(model, mesh=mesh, allocator=TracePoolAllocator(debug=True) if alloc_name == "trace_pool" else alloc_name)
+    fully_shard(model, mesh=mesh,
+                allocator=TracePoolAllocator(debug=True) if alloc_name == "trace_pool" else alloc_name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     counts = []
     for step in range(7):
@@ -364,7 +368,8 @@ def _steady(rank, ws, alloc_name, model_kind, fresh_bytes=None):
         out["fallback_last_step"] = a.trace_stats.fallback_hits - out["hits"][1]
         out["planned"] = len(plan.slots)
         out["unplanned"] = sum(ev[0] == "a" for ev in plan.events) - len(plan.slots)
-        out["unplanned_roles"] = sorted({role_of(ev[1]) for i, ev in enumerate(plan.events) if ev[0] == "a" and i not in plan.slots})
+        out["unplanned_roles"] = sorted({role_of(ev[1]) for i, ev in enumerate(plan.events)
+                                         if ev[0] == "a" and i not in plan.slots})
     return out
 
 
@@ -444,7 +449,8 @@ def _main_grad_lifecycle(rank, ws, set_to_none):
         t = torch.tensor(total, dtype=F64)
         dist.all_reduce(t)
         losses.append(t.item() / ws)
-    return losses, live_in_forward, {k: p.full_tensor() for k, p in model.named_parameters()}, [g.main_grad is None for g in groups]
+    return (losses, live_in_forward, {k: p.full_tensor() for k, p in model.named_parameters()},
+            [g.main_grad is None for g in groups])
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])

@@ -223,7 +223,8 @@ def _failed_gather(rank, ws, fp8=False, swap=True):
     except CollectiveError as e:
         msg = str(e)
     model.reset()
-    weight_frees = [k for k in freed if (k[0] == "weight" and k[1] == blk.name) or (k[0] == "fp8" and k[1][1] == blk.name)]
+    weight_frees = [k for k in freed
+                    if (k[0] == "weight" and k[1] == blk.name) or (k[0] == "fp8" and k[1][1] == blk.name)]
     leaked = getattr(ctx.allocator.stats, "leaked_buffers", None)
     # Training goes on after a healthy gather.
     del comm.all_gather

@@ -272,7 +272,8 @@ def brute_min_shard(shapes, world_size: int, align: int) -> int:
             if n == 0:  # any aligned offset at the cursor; it moves nothing
                 continue
             top = world_size * S - n
-            ends = {o + n for e in ends for o in range(_up(e, align), top + 1, align) if _admissible(o, n, row, S, world_size)}
+            ends = {o + n for e in ends for o in range(_up(e, align), top + 1, align)
+                    if _admissible(o, n, row, S, world_size)}
             if not ends:
                 break
         if ends:
@@ -598,7 +599,8 @@ def test_result_multiple_bound_is_unattainable():
     best = optimal_layout(shapes, n, align, layout.shard_numel)
     check_layout(best, shapes, n, align)
     assert best.shard_numel == layout.shard_numel == brute_min_shard(shapes, n, align) == 1680
-    assert best.padding_numel == 8 * 1680 - 22 * 105 > _result_bound(best) == (math.lcm(105, 16) - 1) + (16 - 1) + 8 * 16 + 8 * 16
+    assert best.padding_numel == 8 * 1680 - 22 * 105 > _result_bound(best) == (
+        (math.lcm(105, 16) - 1) + (16 - 1) + 8 * 16 + 8 * 16)
 
 
 SUBOPTIMAL_SMALL = [
@@ -633,7 +635,8 @@ def test_planner_reaches_optimum_small(shapes, world_size, align):
 # ------------------------------------------------------------------------------------------------
 # 4. Minimality by brute force on every small case
 # ------------------------------------------------------------------------------------------------
-_SMALL_SHAPES = [(1,), (2,), (3,), (5,), (7,), (1, 3), (2, 3), (3, 2), (2, 4), (3, 5), (4, 3), (1, 6), (3, 7), (2, 2, 2), (0, 3)]
+_SMALL_SHAPES = [(1,), (2,), (3,), (5,), (7,), (1, 3), (2, 3), (3, 2), (2, 4), (3, 5), (4, 3), (1, 6), (3, 7),
+                 (2, 2, 2), (0, 3)]
 SMALL_CASES = [
     (shapes, n, align)
     for k in (1, 2)
@@ -665,7 +668,8 @@ def test_small_cases_valid_and_the_oracles_agree():
     "N=2, align=1: S=9, minimum 8)",
 )
 def test_small_cases_planner_is_minimal():
-    worse = [(shapes, n, align) for shapes, n, align in SMALL_CASES if plan_layout(shapes, n, align).shard_numel != brute_min_shard(shapes, n, align)]
+    worse = [(shapes, n, align) for shapes, n, align in SMALL_CASES
+             if plan_layout(shapes, n, align).shard_numel != brute_min_shard(shapes, n, align)]
     assert not worse, f"{len(worse)} of {len(SMALL_CASES)} small cases pad more than the minimum, e.g. {worse[:5]}"
 
 

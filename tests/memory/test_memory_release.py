@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import mfsdp2.memory.allocator as A
 import mfsdp2.optim
-from mfsdp2 import TracePoolAllocator, fully_shard
+from mfsdp2 import fully_shard
 from mfsdp2.base import compat
 from mfsdp2.memory.allocator import CachingAllocator
 
@@ -138,7 +138,8 @@ def _release(rank, ws, allocator, optimizer="torch"):
     model.set_all_reduce_bucket_cap_mb(0)  # the per-unit reductions (buckets: tests/groups/test_grad_buckets.py)
     # mfsdp2's flat AdamW steps the main gradient itself: it must not keep it alive either
     opt = (torch.optim.AdamW if optimizer == "torch" else mfsdp2.optim.AdamW)(model.parameters(), lr=1e-3)
-    alloc = model.allocator if allocator != "trace_pool" else None
+    if allocator != "trace_pool":
+        model.allocator  # the property lazily initialises the units before the first forward
     seen = {"idle_in_forward": [], "main_grads_in_forward": [], "idle_after_forward": []}
 
     def in_forward(mod, args, out):

@@ -113,7 +113,8 @@ def _run(rank, ws, case):
     by_param = {id(p): p for p in model.parameters()}
     for pid, (p, s) in enumerate((by_param[id(p)], s) for p, s in opt.state.items()):
         for k, v in s.items():
-            if isinstance(v, DTensor) and (v._local_tensor.device != p._local_tensor.device or v.device_mesh is not p.device_mesh):
+            if isinstance(v, DTensor) and (v._local_tensor.device != p._local_tensor.device
+                                           or v.device_mesh is not p.device_mesh):
                 out["bad"].append(f"optimizer state {k} of parameter {pid}: on {v._local_tensor.device}, not beside it")
             elif isinstance(v, torch.Tensor) and v.device.type != "cpu":
                 out["bad"].append(f"optimizer state {k} of parameter {pid}: on {v.device}")
@@ -141,7 +142,8 @@ def _run(rank, ws, case):
     out["full_sd"] = {k: v.clone() for k, v in full.items()}
     # Loading a full state dict writes into the host main weights (the parameters stay theirs).
     full_all = msd.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    msd.set_model_state_dict(model, {k: v * 0.5 for k, v in full_all.items()}, options=StateDictOptions(full_state_dict=True))
+    msd.set_model_state_dict(model, {k: v * 0.5 for k, v in full_all.items()},
+                             options=StateDictOptions(full_state_dict=True))
     out["bad"] += _storage_facts(model)
     after = msd.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     out["halved"] = all(torch.equal(after[k], full_all[k] * 0.5) for k in full_all)

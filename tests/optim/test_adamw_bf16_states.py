@@ -34,7 +34,9 @@ from .._dist import run_ranks
 from .._optional import given, HealthCheck, settings, st
 from ..models import batch, build, loss_fn
 from .test_optim_kernel import _ieee_reference
-from .test_optim_adamw import LAYOUTS, _groups_of, _inject, _meshes, _shard, _step_grads, _step_nan_padded, full, same_bits
+from .test_optim_adamw import (
+    LAYOUTS, _groups_of, _inject, _meshes, _shard, _step_grads, _step_nan_padded, full, same_bits,
+)
 
 BF16 = torch.bfloat16
 
@@ -286,7 +288,8 @@ def _bf16_ranks(rank, ws, path):
                     for k in keys:
                         if k in opt.state[p]:
                             rt = ropt.state[p][k]
-                            assert rt.dtype == torch.float32 and same_bits(full(rt), full(opt.state[p][k].float())), (n, k)
+                            assert (rt.dtype == torch.float32
+                                    and same_bits(full(rt), full(opt.state[p][k].float()))), (n, k)
                 # torch's float32 state (one real step on other values) into ours: rounded to nearest
                 ropt.step()
                 fresh = AdamW([dict(params=[by_name[n] for n in c["names"]],

@@ -105,7 +105,8 @@ def _train(kind: str, mode: str, strategy: str, rank: int, ws: int, mesh=None):
             if kind == "off":
                 mfsdp2.clip_grad_norm_(list(model.parameters()), 0.05)
         elif clip and kind != "sib":
-            (mfsdp2.clip_grad_norm_ if kind == "off" else torch.nn.utils.clip_grad_norm_)(list(model.parameters()), 0.05)
+            (mfsdp2.clip_grad_norm_ if kind == "off" else torch.nn.utils.clip_grad_norm_)(
+                list(model.parameters()), 0.05)
         opt.step()
         opt.zero_grad()
         if sched is not None:
@@ -131,7 +132,8 @@ def _parity(rank, ws, strategies, modes):
                 continue
             off = _train("off", mode, strategy, rank, ws, mesh)
             sib = _train("sib", mode, strategy, rank, ws, mesh)
-            fsdp2 = _train("fsdp2", mode, strategy, rank, ws, mesh) if strategy in ("zero3", "zero2") and mode != "clip_touch" else None
+            fsdp2 = (_train("fsdp2", mode, strategy, rank, ws, mesh)
+                     if strategy in ("zero3", "zero2") and mode != "clip_touch" else None)
             ref = _train("ref", mode, strategy, rank, ws) if mode != "clip_touch" else None
             out[(strategy, mode)] = dict(params=_same(off[0], sib[0]), states=_same(off[1], sib[1]), in_backward=sib[2],
                                          sib=sib[0], fsdp2=fsdp2[0] if fsdp2 else None, ref=ref[0] if ref else None)
@@ -143,7 +145,8 @@ def _check_parity(results, ws, strategies, modes):
     for (strategy, mode), r in results[0].items():
         where = f"ws={ws} {strategy} {mode}"
         if r["params"] or r["states"]:
-            failures.append(f"{where}: not bitwise equal to the run without overlap: params {r['params']} states {r['states']}")
+            failures.append(f"{where}: not bitwise equal to the run without overlap: "
+                            f"params {r['params']} states {r['states']}")
         clip = mode in ("clip", "clip_touch")
         # 4 offloaded groups per step (3 blocks and the root), times 3 steps; none under clipping
         if (r["in_backward"] == 0) != clip or (not clip and r["in_backward"] != 4 * STEPS):

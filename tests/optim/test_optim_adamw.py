@@ -222,10 +222,13 @@ def _equivalence(rank, ws, cases):
 def _case(draw, layout):
     return dict(
         layout=layout, dtype=draw(st.sampled_from(["float32", "float64"])),
-        lr=draw(st.sampled_from([0.0, 1e-3, 3e-2])), betas=draw(st.sampled_from([(0.9, 0.999), (0.3, 0.6), (0.0, 0.5), (0.95, 0.0)])),
+        lr=draw(st.sampled_from([0.0, 1e-3, 3e-2])),
+        betas=draw(st.sampled_from([(0.9, 0.999), (0.3, 0.6), (0.0, 0.5), (0.95, 0.0)])),
         eps=draw(st.sampled_from([1e-8, 1e-3, 0.0])), wd=draw(st.sampled_from([0.0, 1e-2, 0.5])),
-        amsgrad=draw(st.booleans()), maximize=draw(st.booleans()), split=draw(st.sampled_from(["one", "decay", "blocks"])),
-        nonfinite=draw(st.booleans()), skip=draw(st.booleans()), ignored=draw(st.booleans()), seed=draw(st.integers(0, 9999)),
+        amsgrad=draw(st.booleans()), maximize=draw(st.booleans()),
+        split=draw(st.sampled_from(["one", "decay", "blocks"])),
+        nonfinite=draw(st.booleans()), skip=draw(st.booleans()), ignored=draw(st.booleans()),
+        seed=draw(st.integers(0, 9999)),
     )
 
 
@@ -247,7 +250,8 @@ def _train_pair(rank, ws, layouts):
             model = _shard(build(kind, dtype=F32), layout, meshes)
             named = list(model.named_parameters())
             groups = [dict(params=[p for n, p in named if p.dim() >= 2 and p.requires_grad]),
-                      dict(params=[p for n, p in named if p.dim() < 2 and p.requires_grad], weight_decay=0.0, amsgrad=True)]
+                      dict(params=[p for n, p in named if p.dim() < 2 and p.requires_grad], weight_decay=0.0,
+                           amsgrad=True)]
             opt = (AdamW if who == "ours" else torch.optim.AdamW)(groups, lr=1e-2, weight_decay=0.1,
                                                                   **({} if who == "ours" else {"foreach": False}))
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -265,7 +269,8 @@ def _train_pair(rank, ws, layouts):
             s1, s2 = o1.state.get(p, {}), o2.state.get(q, {})
             assert sorted(s1) == sorted(s2), (layout, kind, n)
             for k in s2:
-                assert same_bits(s1[k].to_local() if k != "step" else s1[k], s2[k].to_local() if k != "step" else s2[k]), (layout, kind, n, k)
+                assert same_bits(s1[k].to_local() if k != "step" else s1[k],
+                                 s2[k].to_local() if k != "step" else s2[k]), (layout, kind, n, k)
         out[(layout, kind)] = l1
     return out
 
@@ -401,7 +406,8 @@ def _dp_tp(rank, ws):
             parallelize_module(b, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
             fully_shard(b, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-        opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=True, **({} if cls is AdamW else {"foreach": False}))
+        opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=True,
+                  **({} if cls is AdamW else {"foreach": False}))
         fallbacks = _watch_fallbacks(opt) if cls is AdamW else []
         losses = [sharded_train_step(model, opt, s, rank, ws, 8, dp=(mesh.get_local_rank(0), 2)) for s in range(3)]
         assert not fallbacks, "TP parameters left the flat step"

@@ -51,7 +51,8 @@ def _grad(gen, n: int, dtype, step: int, nonfinite: bool) -> torch.Tensor:
 
 @needs_native
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(_sizes, min_size=1, max_size=5), data=st.data(), dtype=st.sampled_from([torch.float32, torch.float64]),
+@given(sizes=st.lists(_sizes, min_size=1, max_size=5), data=st.data(),
+       dtype=st.sampled_from([torch.float32, torch.float64]),
        step_dtype=st.sampled_from([torch.float32, torch.float64]), hypers=st.lists(_hyper, min_size=2, max_size=2),
        steps=st.integers(1, 4), nonfinite=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31))
 def test_native_step_matches_torch_adamw(sizes, data, dtype, step_dtype, hypers, steps, nonfinite, threads, seed):
@@ -83,7 +84,8 @@ def test_native_step_matches_torch_adamw(sizes, data, dtype, step_dtype, hypers,
     torch.set_num_threads(threads)
     try:
         for s in range(steps):
-            skip = data.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes))) if s else [False] * len(sizes)
+            skip = (data.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes))) if s
+                    else [False] * len(sizes))
             batch = kernel.NativeStep(kernel._module(), ARITH, dtype)
             for i, (p, o, n) in enumerate(zip(ref, offsets, sizes)):
                 g = _grad(gen, n, dtype, s, nonfinite)

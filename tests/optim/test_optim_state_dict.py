@@ -50,7 +50,8 @@ def _opt(model, ours: bool):
     named = list(model.named_parameters())
     groups = [{"params": [p for n, p in named if p.dim() >= 2]},
               {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
-    return AdamW(groups, lr=1e-2, weight_decay=0.1) if ours else torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, foreach=False)
+    return (AdamW(groups, lr=1e-2, weight_decay=0.1) if ours
+            else torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, foreach=False))
 
 
 def _train(model, opt, start, steps, rank):

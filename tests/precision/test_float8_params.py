@@ -61,7 +61,8 @@ def test_float8_parameters_gather_bit_exact(ws):
         assert torch.equal(out, want.detach())
         for k, p in ref.named_parameters():
             assert full[k].dtype == p.dtype, (k, full[k].dtype)
-            assert torch.equal(full[k].view(torch.uint8) if p.dtype == F8 else full[k], p.detach().view(torch.uint8) if p.dtype == F8 else p.detach()), k
+            assert torch.equal(full[k].view(torch.uint8) if p.dtype == F8 else full[k],
+                               p.detach().view(torch.uint8) if p.dtype == F8 else p.detach()), k
             if p.grad is not None:
                 # the output is a plain sum over ranks' batch copies: every rank saw the same x, so the
                 # averaged gradient equals the unsharded one up to the mean's rounding (exact here:

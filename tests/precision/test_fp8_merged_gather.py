@@ -53,7 +53,8 @@ def _train(rank, ws, merged: bool, allocator: str, hsdp: bool, raf=True):
     fp8_mod.MERGE_GATHERS = merged
     torch.manual_seed(0)
     model = _Mixed()
-    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("rep", "shard")) if hsdp else init_device_mesh("cpu", (ws,))
+    mesh = (init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("rep", "shard")) if hsdp
+            else init_device_mesh("cpu", (ws,)))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, all_gather_dtype=E4M3)
     for m in _units(model)[:-1]:
         fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)

@@ -236,7 +236,8 @@ def test_only_the_running_torchs_module_is_looked_for(fresh_loader):
 def test_environment_variable_forces_the_references():
     code = ("import torch; from mfsdp2.precision import native; assert not native.available(); "
             "q = torch.empty(2, dtype=torch.uint8); "
-            "native.quantise_fp8(torch.tensor([2.0, -0.5]), q, native.Segments([0], [2]), torch.ones(1), torch.float8_e5m2); "
+            "native.quantise_fp8(torch.tensor([2.0, -0.5]), q, native.Segments([0], [2]), torch.ones(1), "
+            "torch.float8_e5m2); "
             "assert q.view(torch.float8_e5m2).float().tolist() == [2.0, -0.5]")
     env = dict(os.environ, **{native.ENV: "0"})
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -267,7 +268,8 @@ def test_fp8_training_is_bit_identical_with_the_kernels():
             assert torch.equal(p, ref_params[name]), name
 
 
-@pytest.mark.skipif(os.environ.get("MFSDP2_EXPECT_NATIVE") != "1", reason="only where the build must have succeeded (CI)")
+@pytest.mark.skipif(os.environ.get("MFSDP2_EXPECT_NATIVE") != "1",
+                    reason="only where the build must have succeeded (CI)")
 def test_the_extension_was_built_where_the_build_is_required():
     """``.ci/run`` sets MFSDP2_EXPECT_NATIVE=1: ``make native`` only prints a message when the
     build fails (users without a compiler still get the reference paths), so without this a broken

@@ -124,7 +124,8 @@ def _run(rank, ws, fuse, strategy, micro_batches, steps):
             loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
         if step == 0:
             grads = {k: local_grad_rows(p) for k, p in model.named_parameters()}
-            leftover = [k for m in model.modules() for k, p in m.named_parameters(recurse=False) if hasattr(p, "main_grad")]
+            leftover = [k for m in model.modules() for k, p in m.named_parameters(recurse=False)
+                        if hasattr(p, "main_grad")]
             assert not leftover, f"main_grad views outlived the reduction: {leftover}"
         opt.step()
         opt.zero_grad()
@@ -180,7 +181,8 @@ def _real_te(rank, ws):
     return True
 
 
-@pytest.mark.skipif(not _real_te_available(), reason="TransformerEngine with CUDA is not installed here (pip install 'mfsdp2[te]' on a GPU machine)")
+@pytest.mark.skipif(not _real_te_available(), reason="TransformerEngine with CUDA is not installed here "
+                                                     "(pip install 'mfsdp2[te]' on a GPU machine)")
 def test_real_transformer_engine_linear_with_wgrad_fusion():
     import torch.distributed as dist
 

@@ -12,14 +12,16 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
 
 import _common as C  # noqa: E402
 
 
 def test_wire_summary_at_world_size_one():
     """Collectives are counted but nothing crosses a wire; no point-to-point traffic exists."""
-    coll = C.summarize_records([("all_gather_single", "all_gather", 400, None), ("all_reduce", "all_reduce", 40, None)], 2)
+    coll = C.summarize_records(
+        [("all_gather_single", "all_gather", 400, None), ("all_reduce", "all_reduce", 40, None)], 2)
     w = C.wire_summary(coll, 1)
     assert w["buffer_bytes_by_kind"] == {"all_gather": 200, "reduce_scatter": 0.0, "all_reduce": 20, "broadcast": 0.0}
     assert w["buffer_bytes"] == 220 and w["ring_sent_bytes"] == 0

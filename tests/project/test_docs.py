@@ -56,5 +56,6 @@ def test_links_between_pages_exist(page):
 def test_the_checker_sees_a_missing_test():
     text = "Tested in: `tests/memory/test_layout.py`, `test_nothing_here.py`; `tests/groups/test_reduce_plan.py`."
     paths = cited_paths(text, relative_names=True)
-    assert paths == ["tests/memory/test_layout.py", "tests/memory/test_nothing_here.py", "tests/groups/test_reduce_plan.py"]
+    assert paths == ["tests/memory/test_layout.py", "tests/memory/test_nothing_here.py",
+                     "tests/groups/test_reduce_plan.py"]
     assert [p for p in paths if not (ROOT / p).exists()] == ["tests/memory/test_nothing_here.py"]

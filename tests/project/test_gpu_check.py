@@ -160,7 +160,8 @@ def test_without_hypothesis_its_tests_skip_with_the_reason(tmp_path):
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text("raise ImportError('hypothesis hidden for this test')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "hidden"), ROOT]))
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                          "-p", "no:hypothesispytest",
                           "tests/memory/test_layout.py", "tests/precision/test_fp8_tiles.py"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:]

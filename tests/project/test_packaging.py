@@ -66,7 +66,8 @@ def test_torch_requirement_is_a_range_holding_the_supported_versions():
 def test_make_venv_pins_its_torch_through_constraints():
     makefile = (ROOT / "Makefile").read_text()
     assert "-c constraints.txt" in makefile and re.search(r"^\$\(STAMP\):.*constraints\.txt", makefile, re.M)
-    pins = [ln.strip() for ln in (ROOT / "constraints.txt").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    pins = [ln.strip() for ln in (ROOT / "constraints.txt").read_text().splitlines()
+            if ln.strip() and not ln.startswith("#")]
     assert "torch==2.13.0" in pins and all(p.split("==")[0] in ("torch", "triton") for p in pins), pins
 
 
@@ -109,7 +110,8 @@ def _dry_run(tmp_path: pathlib.Path, torch_version: str):
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     installs = []
     if proc.returncode == 0:
-        installs = [(i["metadata"]["name"].lower(), i["metadata"]["version"]) for i in json.loads(report.read_text())["install"]]
+        installs = [(i["metadata"]["name"].lower(), i["metadata"]["version"])
+                    for i in json.loads(report.read_text())["install"]]
     return proc.returncode, installs, proc.stdout + proc.stderr
 
 

@@ -70,7 +70,8 @@ class HostReads:
 CONFIGS = {
     # name: (mesh shape, strategy, mixed precision, host reads expected per step)
     "zero3": ((4,), "optim_grads_params", MixedPrecisionPolicy(), 0),
-    "fp8": ((4,), "optim_grads_params", MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather_dtype=torch.float8_e4m3fn), 0),
+    "fp8": ((4,), "optim_grads_params",
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather_dtype=torch.float8_e4m3fn), 0),
     "hsdp": ((2, 2), "optim_grads_params", MixedPrecisionPolicy(), 0),
     "zero2": ((4,), "optim_grads", MixedPrecisionPolicy(), 1),
     "zero1": ((4,), "optim", MixedPrecisionPolicy(param_dtype=torch.bfloat16), 1),
@@ -122,7 +123,8 @@ def test_steady_state_steps_make_no_host_reads():
     for rank, per_config in enumerate(results):
         for name, calls in per_config.items():
             expected = CONFIGS[name][3] * MEASURED
-            assert len(calls) == expected, f"rank {rank}, {name}: {len(calls)} host reads in {MEASURED} steps, expected {expected}: {calls}"
+            assert len(calls) == expected, (f"rank {rank}, {name}: {len(calls)} host reads in {MEASURED} steps, "
+                                            f"expected {expected}: {calls}")
 
 
 def _cuda_sync_warnings(rank, ws):

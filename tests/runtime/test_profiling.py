@@ -45,7 +45,8 @@ fully_shard(model, mesh=mesh)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
     model(torch.randn(2, 4)).sum().backward()
 events = sorted({e.name for e in prof.events() if e.name.startswith("mfsdp2.")})
-print(json.dumps({"source": getattr(profiling, "nvtx_source", None), "pushed": pushed, "popped": len(popped), "events": events}))
+print(json.dumps({"source": getattr(profiling, "nvtx_source", None), "pushed": pushed, "popped": len(popped),
+                  "events": events}))
 dist.destroy_process_group()
 """
 
@@ -53,8 +54,10 @@ dist.destroy_process_group()
 def test_nvtx_falls_back_to_torch_cuda_nvtx():
     from .._dist import free_port
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(free_port())], env=env, capture_output=True, text=True, timeout=240)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(free_port())], env=env, capture_output=True, text=True,
+                          timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     ranges = [m for m in out["pushed"] if m.startswith("mfsdp2.")]
@@ -69,7 +72,8 @@ def test_nvtx_selection(monkeypatch):
     """The ``nvtx`` package first; without it torch.cuda.nvtx where it works; else none (a
     CPU-only torch, whose torch.cuda.nvtx raises), and ranges still reach the profiler."""
     calls = []
-    fake = types.SimpleNamespace(push_range=lambda msg: calls.append(("push", msg)), pop_range=lambda: calls.append(("pop",)))
+    fake = types.SimpleNamespace(push_range=lambda msg: calls.append(("push", msg)),
+                                 pop_range=lambda: calls.append(("pop",)))
     monkeypatch.setitem(sys.modules, "nvtx", fake)
     assert profiling.select_nvtx()[0] == "nvtx"
 

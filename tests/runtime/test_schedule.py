@@ -259,7 +259,8 @@ def assert_parity(results, cfg):
         for name, ref in ref_params.items():
             assert_close_rel(res["params"][name], ref, f"rank {rank} {name}", REL_F64)
         for step, ref_out in ref_evals.items():
-            assert_close_rel(res["evals"][step]["out"], _rows(ref_out, (rank, len(results))), f"rank {rank} eval {step}", REL_F64)
+            assert_close_rel(res["evals"][step]["out"], _rows(ref_out, (rank, len(results))),
+                             f"rank {rank} eval {step}", REL_F64)
         assert res["all_dtensor_after_reshard"]
         assert res["live_weight_end"] == 0
 
@@ -548,7 +549,8 @@ def test_several_forwards_before_one_backward(variants_run):
             assert mb["rs"] == N_UNITS, mb["rs"]  # both forwards' gradients reduced together, once
             assert mb["live_weight_after_bwd"] == 0
         # Both forwards follow the recorded order and the backward is predicted from both.
-        assert all(s["mispredictions_after"] == 0 for s in res["steps"]), [s["mispredictions_after"] for s in res["steps"]]
+        assert all(s["mispredictions_after"] == 0 for s in res["steps"]), [
+            s["mispredictions_after"] for s in res["steps"]]
 
 
 def test_no_reshard_after_backward(variants_run):

@@ -16,7 +16,9 @@ from mfsdp2 import MixedPrecisionPolicy, RowShard, fully_shard
 from mfsdp2.comm.communicator import tensors_overlap
 
 from .._dist import run_ranks
-from ..models import F64, REL_F64, Net, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, same_cast_tolerances
+from ..models import (
+    F64, REL_F64, Net, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, same_cast_tolerances,
+)
 
 
 def _storage_span(t: torch.Tensor) -> tuple[int, int]:
@@ -343,7 +345,8 @@ def _reset_after_exception(rank, ws):
         except _Boom:
             model.reset()  # blocks.0 and the root are unsharded mid-forward; clean up and go on
             opt.zero_grad()
-            assert all(not g.is_unsharded for m in model.modules() if hasattr(m, "_mfsdp2_state") for g in m._mfsdp2_state.groups)
+            assert all(not g.is_unsharded
+                       for m in model.modules() if hasattr(m, "_mfsdp2_state") for g in m._mfsdp2_state.groups)
             continue
         opt.step()
         opt.zero_grad()

@@ -319,7 +319,8 @@ def _offload_run(bf16: bool, strategy: str, pin: bool, on_gpu: bool, steps: int)
         fully_shard(b, **kw)
     fully_shard(model, **kw)
     facts = {"buffer": model.gain.device.type,
-             "params": {p.device.type for p in model.parameters()} | {p.to_local().device.type for p in model.parameters()},
+             "params": ({p.device.type for p in model.parameters()}
+                        | {p.to_local().device.type for p in model.parameters()}),
              "pinned": {p.to_local().is_pinned() for p in model.parameters()},
              "state_dict": {v.to_local().device.type for v in model.state_dict().values() if hasattr(v, "to_local")}}
     opt = make_opt("adamw", model.parameters())
@@ -352,10 +353,13 @@ def _offload_run(bf16: bool, strategy: str, pin: bool, on_gpu: bool, steps: int)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    facts["states"] = {t.to_local().device.type for s in opt.state.values() for t in s.values() if hasattr(t, "to_local")}
-    facts["copy_outs"] = {g.copy_outs for m in model.modules() if hasattr(m, "_mfsdp2_state") for g in m._mfsdp2_state.groups}
+    facts["states"] = {t.to_local().device.type for s in opt.state.values() for t in s.values()
+                       if hasattr(t, "to_local")}
+    facts["copy_outs"] = {g.copy_outs for m in model.modules() if hasattr(m, "_mfsdp2_state")
+                          for g in m._mfsdp2_state.groups}
     full = {k: p.to_local().detach().clone() for k, p in model.named_parameters()}  # world size 1: the whole parameter
-    return losses, ref_losses, norms, ref_norms, lags, facts, full, {k: v.detach().cpu() for k, v in ref.named_parameters()}
+    return (losses, ref_losses, norms, ref_norms, lags, facts, full,
+            {k: v.detach().cpu() for k, v in ref.named_parameters()})
 
 
 OFFLOAD = [
@@ -370,8 +374,10 @@ OFFLOAD = [
 
 @pytest.mark.parametrize("bf16,strategy,pin,on_gpu", OFFLOAD)
 def test_cuda_cpu_offload_parity_with_unsharded_reference(bf16, strategy, pin, on_gpu):
-    losses, ref_losses, norms, ref_norms, lags, facts, full, ref_params = run_cuda(_offload_run, bf16, strategy, pin, on_gpu, STEPS)
-    assert all(lags), "control: the GPU did not lag the host, so an unsynchronised copy-out would go unseen (raise SLEEP_CYCLES)"
+    losses, ref_losses, norms, ref_norms, lags, facts, full, ref_params = run_cuda(
+        _offload_run, bf16, strategy, pin, on_gpu, STEPS)
+    assert all(lags), ("control: the GPU did not lag the host, so an unsynchronised copy-out would go unseen "
+                       "(raise SLEEP_CYCLES)")
     assert facts["buffer"] == "cuda", "the root unit's buffer was not moved to the compute device"
     assert facts["params"] == facts["grads"] == facts["states"] == facts["state_dict"] == {"cpu"}, facts
     assert facts["pinned"] == facts["grads_pinned"] == {pin}, facts

@@ -109,7 +109,8 @@ def _micro_batches(rank, ws, which, sync_each):
         if which == "mfsdp2":
             ctx = model._mfsdp2_state.ctx
             in_flight.append(sum(g.reduce_pending for s in ctx.states for g in s.groups))
-    grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)).full_tensor().clone() for k, v in model.named_parameters()}
+    grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)).full_tensor().clone()
+             for k, v in model.named_parameters()}
     return grads, in_flight
 
 

@@ -93,7 +93,8 @@ def _clip_run(rank, ws, strategy):
         start = sum(sizes[:rank])
         local = q.grad.to_local()
         assert local.shape[0] == sizes[rank], (name, local.shape, sizes)
-        assert_close_rel(local, ref_grads[name][start : start + local.shape[0]], f"FSDP2's clipped grad of {name}", rel=1e-10)
+        assert_close_rel(local, ref_grads[name][start : start + local.shape[0]], f"FSDP2's clipped grad of {name}",
+                         rel=1e-10)
     return empty
 
 

@@ -84,17 +84,20 @@ EXPECTED = {
     "E47": (InvalidShardDimError, "which has 1 dims; return Shard(d) with -1 <= d < 1, or None"),
     "E48": (ValueError, "all-reduce bucket size must be >= 0 MiB"),
     "E49": (UnreducedGradientsError, "no backward reduced"),
-    "E50": (RuntimeError, "are still on the meta device (the model was built under torch.device('meta')); give them memory first"),
+    "E50": (RuntimeError, "are still on the meta device (the model was built under torch.device('meta')); "
+                          "give them memory first"),
     "E51": (ValueError, "all_gather_dtype (FP8 all-gather) with CPUOffloadPolicy for Linear is not supported"),
     "E52": (ValueError, "reshard their weights after forward"),
     "E53": (RuntimeError, "parameter 'fc1.weight' of unit 'blocks.0' had its .data assigned after fully_shard"),
     "E55": (UnsyncedGradientsError, "hold gradients accumulated with gradient sync off"),
     "E56": (RuntimeError, "was replaced after fully_shard by a plain Parameter of shape (40, 16)"),
     "E57": (RuntimeError, "have different dtypes after some of them were converted or replaced"),
-    "E58": (RuntimeError, "parameter 'fc1.weight' of unit 'blocks.0' was converted (.to / to_empty / .half ...) after the first forward"),
+    "E58": (RuntimeError, "parameter 'fc1.weight' of unit 'blocks.0' was converted (.to / to_empty / .half ...) "
+                          "after the first forward"),
     "E59": (RuntimeError, "the state dict's value is on the meta device (no values"),
     "E54": (StaleParameterError, "SGD holds parameter 'inp.weight' of unit 'root' as it was before fully_shard"),
-    "E60": (UnsupportedOptimizerError, "torch.optim.Adafactor cannot step sharded parameter 'inp.weight' of unit 'root'"),
+    "E60": (UnsupportedOptimizerError,
+            "torch.optim.Adafactor cannot step sharded parameter 'inp.weight' of unit 'root'"),
     "E61": (DuplicateParameterError, "SGD holds parameter 'head.bias' of unit 'root' 2 times"),
 }
 
@@ -204,22 +207,25 @@ def _rows_ws1(rank, ws):
 
     _capture(out, "E05", lambda: fully_shard(nn.Linear(3, 3), mesh=init_device_mesh("cpu", (1, 1, 1))))
     _capture(out, "E34", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, sharding_strategy="zero3"))
-    _capture(out, "E35", lambda: fully_shard(nn.Linear(3, 3), mesh=init_device_mesh("cpu", (1, 1)), sharding_strategy="no_shard"))
-    _capture(out, "E36", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, reshard_after_forward=2, sharding_strategy="optim"))
+    _capture(out, "E35", lambda: fully_shard(nn.Linear(3, 3), mesh=init_device_mesh("cpu", (1, 1)),
+                                             sharding_strategy="no_shard"))
+    _capture(out, "E36", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, reshard_after_forward=2,
+                                             sharding_strategy="optim"))
     fp8 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather_dtype=torch.float8_e4m3fn)
-    _capture(out, "E37", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, mp_policy=fp8, sharding_strategy="optim_grads"))
+    _capture(out, "E37", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, mp_policy=fp8,
+                                             sharding_strategy="optim_grads"))
     _capture(out, "E38", lambda: MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather_dtype=torch.bfloat16))
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     stray = nn.Linear(3, 3)
-    stray.weight = nn.Parameter(distribute_tensor(stray.weight.detach(), init_device_mesh("cpu", (1,), mesh_dim_names=("x",))))
+    stray.weight = nn.Parameter(distribute_tensor(stray.weight.detach(),
+                                                  init_device_mesh("cpu", (1,), mesh_dim_names=("x",))))
     _capture(out, "E40", lambda: fully_shard(stray, mesh=mesh))
     mesh2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
     tp = parallelize_module(nn.Linear(3, 3), mesh2["tp"], ColwiseParallel())
     _capture(out, "E41", lambda: fully_shard(tp, mesh=mesh2["dp"], sharding_strategy="no_shard"))
     _capture(out, "E42", lambda: MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16))
-    from mfsdp2.checkpoint import state_dict as msd
 
     _capture(out, "E44", lambda: fully_shard(nn.LazyLinear(3), mesh=mesh))
     _capture(out, "E45", lambda: fully_shard(nn.ModuleList([nn.Linear(3, 3)]), mesh=mesh))
@@ -231,10 +237,12 @@ def _rows_ws1(rank, ws):
     _capture(out, "E47", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=lambda p: Shard(1)))
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    _capture(out, "E51", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, mp_policy=fp8, offload_policy=CPUOffloadPolicy()))
+    _capture(out, "E51", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, mp_policy=fp8,
+                                             offload_policy=CPUOffloadPolicy()))
     _pipeline_rows(out, mesh)
     replicated = fully_shard(nn.Linear(3, 3), mesh=mesh, sharding_strategy="no_shard")
-    _capture(out, "E43", lambda: msd.get_model_state_dict(replicated, options=msd.StateDictOptions(full_state_dict=True)))
+    _capture(out, "E43", lambda: msd.get_model_state_dict(replicated,
+                                                          options=msd.StateDictOptions(full_state_dict=True)))
     divided = fully_shard(nn.Linear(3, 3), mesh=mesh)
     _capture(out, "E39", lambda: divided.set_gradient_divide_factor(0))
     _capture(out, "E07", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, reshard_after_forward=3))

@@ -15,7 +15,10 @@ from mfsdp2 import RowShard, fully_shard
 from mfsdp2.base.profiling import event_log
 
 from .._dist import run_ranks
-from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, reference_run, sharded_train_step
+from ..models import (
+    F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, loss_fn, make_opt, reference_run,
+    sharded_train_step,
+)
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -100,7 +103,8 @@ def _reference_accumulated_grads():
 def test_hsdp_2x2_matches_reference_and_accumulates_with_one_all_reduce(tmp_path):
     ref_losses, ref_params = reference_run("net", "adamw", STEPS, GLOBAL_BATCH, dtype=F64)
     ref_grads = _reference_accumulated_grads()
-    for rank, (per_strategy, grads, n_all_reduce, n_groups, saved) in enumerate(run_ranks(_hsdp, 4, str(tmp_path / "ckpt"))):
+    for rank, (per_strategy, grads, n_all_reduce, n_groups, saved) in enumerate(
+            run_ranks(_hsdp, 4, str(tmp_path / "ckpt"))):
         for name, ref in ref_params.items():
             assert_close_rel(saved[name], ref, f"checkpoint {name} rank {rank}", REL_F64)
         for strategy, (losses, full) in per_strategy.items():

@@ -12,7 +12,9 @@ from mfsdp2 import FSDPModule, fully_shard
 from mfsdp2.base import compat
 
 from .._dist import run_ranks
-from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, build, make_opt, reference_run, sharded_train_step
+from ..models import (
+    F64, REL_F64, assert_close_rel, assert_losses_close, build, make_opt, reference_run, sharded_train_step,
+)
 
 STEPS = 10
 GLOBAL_BATCH = 8

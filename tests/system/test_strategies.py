@@ -15,7 +15,10 @@ from mfsdp2 import MixedPrecisionPolicy, fully_shard
 from mfsdp2.base import compat
 
 from .._dist import run_ranks
-from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, local_grad_rows, loss_fn, make_opt, reference_run, rel_dist, same_cast_tolerances, sharded_train_step
+from ..models import (
+    F64, REL_F64, assert_close_rel, assert_losses_close, batch, build, local_grad_rows, loss_fn, make_opt,
+    reference_run, rel_dist, same_cast_tolerances, sharded_train_step,
+)
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 STEPS = 6
@@ -92,7 +95,8 @@ def _strategies_run(rank, ws, kind):
 
 
 @pytest.mark.parametrize(
-    "ws,kind", [(2, "net"), pytest.param(4, "net", marks=pytest.mark.slow), pytest.param(4, "tiny", marks=pytest.mark.slow)]
+    "ws,kind",
+    [(2, "net"), pytest.param(4, "net", marks=pytest.mark.slow), pytest.param(4, "tiny", marks=pytest.mark.slow)],
 )
 def test_strategies_match_reference_and_zero_memory_formulas(ws, kind):
     ref_losses, ref_params = reference_run(kind, "adamw", STEPS, GLOBAL_BATCH, dtype=F64)
@@ -229,7 +233,8 @@ def _divide_run(rank, ws, mesh_shape, strategy):
 
 @pytest.mark.parametrize(
     "mesh_shape,strategy",
-    [((2,), "optim_grads_params"), ((2,), "no_shard"), pytest.param((2, 2), "optim_grads_params", marks=pytest.mark.slow)],
+    [((2,), "optim_grads_params"), ((2,), "no_shard"),
+     pytest.param((2, 2), "optim_grads_params", marks=pytest.mark.slow)],
 )
 def test_gradient_divide_factor_sum_and_custom(mesh_shape, strategy):
     ws = 1
