@@ -1,11 +1,11 @@
-# Targets: venv, native, demo, test, bench-quick, bench-record.
+# Targets: venv, native, demo, test, lint, bench-quick, bench-record.
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NATIVE := $(VENV)/.native-built
 
-.PHONY: venv native demo test bench-quick bench-record
+.PHONY: venv native demo test lint bench-quick bench-record
 
 venv: $(STAMP)
 
@@ -31,6 +31,10 @@ demo: venv native
 
 test: venv native
 	$(PY) -m pytest -q tests
+
+# ruff (pyflakes + pycodestyle at 120 columns, ruff.toml) over the package, tests, benchmarks, tools.
+lint: venv
+	$(PY) -m ruff check mfsdp2 tests benchmarks tools
 
 bench-quick: venv native
 	$(PY) benchmarks/compare_fsdp2.py --quick

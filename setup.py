@@ -57,7 +57,7 @@ setup(
         # lightning, accelerate: tests/integrations runs their trainers on mfsdp2 (pinned
         # like torchtitan: the tests go through their FSDP2 code paths, which change between
         # releases).
-        "test": ["pytest", "hypothesis", "pytest-timeout", "safetensors", "transformers",
+        "test": ["pytest", "hypothesis", "pytest-timeout", "ruff==0.17.5", "safetensors", "transformers",
                  "torchtitan==0.3.0", "lightning==2.6.6", "accelerate==1.15.0",
                  'triton; platform_system == "Linux" and platform_machine == "x86_64"'],
         "gpu": ["nvtx"],  # the nvtx package's ranges (else torch.cuda.nvtx's, the same names)
