@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..memory.allocator import BucketAllocator
+from ..memory.allocator import BucketAllocator, BufferRole
 from ..comm.communicator import CommHandle
 from ..base.profiling import trace_range
 from .weight_watch import fingerprints
@@ -74,7 +74,7 @@ class _Bucket:
             self.offsets.append(total)
             total += g.layout.shard_numel
         self.total = total
-        self.key = ("gather_bucket", root_name, index)
+        self.key = (BufferRole.GATHER_BUCKET, root_name, index)
         self.block: Optional[torch.Tensor] = None
         self.handle: Optional[CommHandle] = None  # None until issued
         self.remaining: dict = {}  # id(group) -> its MemberGather, until copied out

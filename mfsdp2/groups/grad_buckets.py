@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..memory.allocator import BucketAllocator
+from ..memory.allocator import BucketAllocator, BufferRole
 from ..comm.communicator import CommHandle, comm_stats
 from ..base.profiling import trace_range
 
@@ -202,7 +202,7 @@ class GradientBuckets:
 
     def _allocate(self, bucket: Bucket, numel: int, dtype, device) -> None:
         lane = bucket.lane
-        base = ("grad_bucket", self.root_name, lane.name, bucket.index if bucket.index is not None else "single")
+        base = (BufferRole.GRAD_BUCKET, self.root_name, lane.name, bucket.index if bucket.index is not None else "single")
         k = 0
         while self.allocator.is_live(base + (k,)):  # a block of an earlier step still holds main grads
             k += 1

@@ -22,7 +22,7 @@ from typing import Hashable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..memory.allocator import BucketAllocator
+from ..memory.allocator import BucketAllocator, BufferRole
 from ..comm.communicator import CommHandle, comm_stats
 from .grad_buckets import Bucket, BucketMemberHandle, GradientBuckets
 from .main_grad import MainGradient
@@ -248,12 +248,12 @@ class GradientReduction(MainGradient):
         )
         with torch.no_grad():
             if self.fused_full is not None:
-                full, direct = self.fused_full, False  # TE wrote into it: ("grad", key)
+                full, direct = self.fused_full, False  # TE wrote into it: (BufferRole.GRAD, key)
             elif self.all_reduces_full and direct:
                 self._ensure_main_grad(allocator, zero=False)
                 full = self.main_grad_full
             else:
-                full = allocator.allocate(("grad", key), layout.total_numel, self.reduce_dtype, self.device)
+                full = allocator.allocate((BufferRole.GRAD, key), layout.total_numel, self.reduce_dtype, self.device)
             has_grad = self._pack(full, plan)
             if self.all_reduces_full:
                 out = full
@@ -263,9 +263,9 @@ class GradientReduction(MainGradient):
                     self._ensure_main_grad(allocator, zero=False)
                     out = self.main_grad
                 else:
-                    out = allocator.allocate(("rs_out", key), layout.shard_numel, self.reduce_dtype, self.device)
+                    out = allocator.allocate((BufferRole.RS_OUT, key), layout.shard_numel, self.reduce_dtype, self.device)
                 n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, op, full.element_size())
-                scratch = (allocator.allocate(("rs_recv", key), n_scratch, self.reduce_dtype, self.device)
+                scratch = (allocator.allocate((BufferRole.RS_RECV, key), n_scratch, self.reduce_dtype, self.device)
                            if n_scratch else None)
                 handle = self.weights.reduce_scatter(full, out, op, scratch, label)
             if all_reduce and self.chains_all_reduce:
@@ -336,18 +336,17 @@ class GradientReduction(MainGradient):
         return self._pending_reduce.bucket if self._pending_reduce is not None else None
 
     def _partial_key(self) -> tuple:
-        return ("partial", self.unit_name, self.name)
+        return (BufferRole.PARTIAL, self.unit_name, self.name)
 
     @staticmethod
     def _free_reduce_buffers(allocator: BucketAllocator, key) -> None:
-        if allocator.is_live(("grad", key)):
-            allocator.free(("grad", key))
-        if allocator.is_live(("rs_recv", key)):
-            allocator.free(("rs_recv", key))
+        for role in (BufferRole.GRAD, BufferRole.RS_RECV):
+            if allocator.is_live((role, key)):
+                allocator.free((role, key))
 
     def _free_out(self, allocator: BucketAllocator, p: PendingReduction) -> None:
         if not p.direct and not self.all_reduces_full:
-            allocator.free(("rs_out", p.key))
+            allocator.free((BufferRole.RS_OUT, p.key))
         if self.all_reduces_full:
             self._free_reduce_buffers(allocator, p.key)  # out was the ("grad", key) buffer
 
@@ -393,7 +392,7 @@ class GradientReduction(MainGradient):
         """Every buffer the unfinished reduction ``p`` may still read or write: its input, receive
         scratch and output -- the main gradient itself when it reduced straight into it."""
         why = f"the {p.handle.label or 'reduction'} failed and may still be running"
-        for role in ("grad", "rs_recv", "rs_out"):
+        for role in (BufferRole.GRAD, BufferRole.RS_RECV, BufferRole.RS_OUT):
             if allocator.is_live((role, p.key)):
                 allocator.leak((role, p.key), why)
         if p.direct or p.out is self.main_grad or p.out is self.main_grad_full:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..memory.allocator import BucketAllocator
+from ..memory.allocator import BucketAllocator, BufferRole
 from ..memory.offload import copy_to_main
 
 __all__ = ["MainGradient"]
@@ -41,7 +41,7 @@ class MainGradient:
 
     # -- main grads ---------------------------------------------------------------------------
     def _main_grad_key(self) -> tuple:
-        return ("main_grad", self.unit_name, self.name)
+        return (BufferRole.MAIN_GRAD, self.unit_name, self.name)
 
     def _ensure_main_grad(self, allocator: BucketAllocator, zero: bool) -> None:
         """main_grad lives from the first reduction after a ``zero_grad(set_to_none=True)`` to the

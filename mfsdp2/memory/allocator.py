@@ -52,6 +52,8 @@ current stream. So a block's next user is always ordered after its last one, wit
 
 from __future__ import annotations
 
+import enum
+
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -105,7 +107,26 @@ class AllocatorStats:
 # Roles whose buffers outlive the backward that wrote them -- the main gradients, and the all-reduce
 # buckets whose slices are main gradients -- until the next forward: a block cached after that
 # would sit idle through the whole forward, so they go back to torch when freed.
-EXACT_ROLES = frozenset({"main_grad", "grad_bucket"})
+class BufferRole(str, enum.Enum):
+    """What a transient buffer holds: the first element of its allocator key (``(role, unit,
+    group)``), by which allocators and the trace pool treat buffers of one kind alike. A ``str``
+    enum, so keys compare and hash as the role's name (traces, logs and statistics read it)."""
+
+    WEIGHT = "weight"  # a unit's gathered weights (the zero-copy storage's bytes)
+    FP8 = "fp8"  # float8 bytes of one gather, freed after the dequantise
+    GRAD = "grad"  # a group's flat unsharded gradient: the reduction's input
+    RS_OUT = "rs_out"  # the reduce-scatter's output, when it does not write the main gradient itself
+    RS_RECV = "rs_recv"  # gloo's point-to-point reduce-scatter: the chunks received
+    PARTIAL = "partial"  # HSDP: shard-group sums waiting for the next all-reduce across replicas
+    MAIN_GRAD = "main_grad"  # the reduced gradient the optimizer reads, until the next forward's release
+    GRAD_BUCKET = "grad_bucket"  # several small groups' gradients in one all-reduce
+    GATHER_BUCKET = "gather_bucket"  # several persistent groups' rows in one all-gather
+
+    def __str__(self) -> str:
+        return self.value
+
+
+EXACT_ROLES = frozenset({BufferRole.MAIN_GRAD, BufferRole.GRAD_BUCKET})
 
 # glibc serves allocations of 32 MiB and more (its mmap threshold's ceiling on 64-bit) with a fresh
 # mapping each time: taking such a block back from torch costs a page fault per 4 KiB.

@@ -38,6 +38,7 @@ from . import native
 from .fp8_tiles import GatheredDequantise
 from ..memory.buffer import leaked_blocks
 from ..comm.communicator import CommHandle
+from ..memory.allocator import BufferRole
 
 
 # A mfsdp2.groups.param_group.ParameterGroup; not imported, since that module imports this one (a
@@ -130,7 +131,7 @@ class Float8Gather:
             start = _align_up(S, 16)  # aligned for the rider's dtype
             end = start + rider.layout.shard_numel * rider.weights._writer.element_size()
         R = _align_up(end, 16)
-        bkey = ("fp8", key)
+        bkey = (BufferRole.FP8, key)
         if allocator is not None:
             block = allocator.allocate(bkey, N * R, torch.uint8, g.device)
         else:  # an explicit unshard() before the root's first forward: no allocator yet

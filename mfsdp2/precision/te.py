@@ -24,10 +24,9 @@ attribute-based, so a module that follows TE's protocol works without TE install
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ..memory.allocator import BucketAllocator
+from ..memory.allocator import BucketAllocator, BufferRole
 
 # A mfsdp2.groups.param_group.ParameterGroup; not imported, since that module imports this one (a
 # lower file must not import a higher one).
@@ -57,7 +56,7 @@ def attach_main_grads(group: Group, allocator: "BucketAllocator", key) -> None:
     micro-batch without gradient sync is reused, so its contents accumulate."""
     if group.fused_full is None:
         n = group.layout.total_numel
-        group.fused_full = allocator.allocate(("grad", key), n, group.reduce_dtype, group.device)
+        group.fused_full = allocator.allocate((BufferRole.GRAD, key), n, group.reduce_dtype, group.device)
         group.fused_full.zero_()
         group.fused_key = key
     full = group.fused_full

@@ -52,6 +52,7 @@ from ..memory.offload import settle_host_reads
 from ..groups.weight_watch import agree_on_gathers
 from ..precision.fp8 import gather_riders
 from . import param_adoption
+from ..memory.allocator import BufferRole
 
 __all__ = ["pre_forward", "post_forward", "unshard_async", "wait_unshard", "reshard", "lazy_init", "reset"]
 
@@ -94,9 +95,9 @@ def unshard_async(state: FSDPState) -> None:
         for i, g in enumerate(state.groups):
             if i in riders.values():
                 continue
-            key = ("weight", state.name, i)
+            key = (BufferRole.WEIGHT, state.name, i)
             j = riders.get(i)
-            rider = (state.groups[j], ("weight", state.name, j)) if j is not None else (None, None)
+            rider = (state.groups[j], (BufferRole.WEIGHT, state.name, j)) if j is not None else (None, None)
             # From a partial reshard only the rank block gathers (e.g. inside a node).
             names = g.name + ("" if j is None else f" + {rider[0].name}")
             label = f"all-gather of unit {state.name!r} ({names}, step {step})"
