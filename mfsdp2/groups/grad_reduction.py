@@ -68,18 +68,33 @@ class PendingReduction:
 class GradientReduction(MainGradient):
     """Backward half of a parameter group (mixed into :class:`~mfsdp2.groups.param_group.ParameterGroup`):
     packing, issuing and finishing the reductions; the main gradient they accumulate into and its
-    exposure as ``.grad`` are :class:`~mfsdp2.groups.main_grad.MainGradient`'s."""
+    exposure as ``.grad`` are :class:`~mfsdp2.groups.main_grad.MainGradient`'s.
 
-    # CPU offload on CUDA: the event after the latest non-blocking copy into the main gradient.
-    _copy_out_event = None
-    # Objects told when a reduction is about to start (``before_reduce(group)``, may raise) and
-    # when one has landed in the main gradient (``grad_landed(group, final)``): an optimizer that
-    # steps in backward (mfsdp2.optim.overlap). Set by them, never by the runtime.
-    grad_listeners: tuple = ()
-    # Whether the reduction about to be issued is the step's last for this group: set by the
-    # post-backward hook (the root's is_last_backward, and no other forward pass of the unit
-    # still waiting for its backward); carried by the reduction to its landing.
-    reduce_final = True
+    Owns (set up by :meth:`init_reduction`): the pending reduction, the HSDP partial sum, the
+    unsynced micro-batch accumulator and its flags, which parameters had a local gradient, the
+    listeners told about reductions and whether the next reduction is the step's last."""
+
+    def init_reduction(self, n_params: int) -> None:
+        """The reduction's per-group state, before any backward."""
+        self.partial: Optional[torch.Tensor] = None  # HSDP shard-group sums awaiting the next all-reduce
+        self._pending_reduce: Optional[PendingReduction] = None
+        # Micro-batches of backwards without gradient sync, summed in the reduce dtype (see
+        # accumulate_unsynced), and which parameters they gave a grad.
+        self.unsynced_grad: Optional[torch.Tensor] = None
+        self.unsynced_flags: list[bool] = []
+        self.grads_reduced_this_step = False
+        # Which parameters had a local gradient in this backward's reductions (see expose_grads).
+        self.local_grad_flags = [False] * n_params
+        # Objects told when a reduction is about to start (``before_reduce(group)``, may raise) and
+        # when one has landed in the main gradient (``grad_landed(group, final)``): an optimizer that
+        # steps in backward (mfsdp2.optim.overlap). Set by them, never by the runtime.
+        self.grad_listeners: tuple = ()
+        # Whether the reduction about to be issued is the step's last for this group: set by the
+        # post-backward hook (the root's is_last_backward, and no other forward pass of the unit
+        # still waiting for its backward); carried by the reduction to its landing.
+        self.reduce_final = True
+        # CPU offload on CUDA: the event after the latest non-blocking copy into the main gradient.
+        self.copy_out_event = None
 
     # -- gradients ----------------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:

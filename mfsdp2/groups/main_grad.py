@@ -36,9 +36,6 @@ class MainGradient:
     :class:`~mfsdp2.groups.param_group.ParameterGroup` through
     :class:`~mfsdp2.groups.grad_reduction.GradientReduction`)."""
 
-    # CPU offload on CUDA: the event after the latest non-blocking copy into the main gradient.
-    _copy_out_event = None
-
     # -- main grads ---------------------------------------------------------------------------
     def _main_grad_key(self) -> tuple:
         return (BufferRole.MAIN_GRAD, self.unit_name, self.name)
@@ -131,7 +128,7 @@ class MainGradient:
             # (settle_copy_out; at the latest at the end of backward). Blocking where a
             # post-accumulate-grad hook reads it at once (optimizer-in-backward), as in FSDP2.
             hooked = any(getattr(dp, "_post_accumulate_grad_hooks", None) for dp in self.dist_params)
-            self._copy_out_event = copy_to_main(dst, out, blocking=hooked)
+            self.copy_out_event = copy_to_main(dst, out, blocking=hooked)
             return
         # optimizer.zero_grad() (set_to_none) clears some grads: their pieces restart at 0.
         for i, dp in enumerate(self.dist_params):
@@ -146,7 +143,7 @@ class MainGradient:
     def settle_copy_out(self) -> None:
         """Wait for this group's non-blocking copy of a reduction into host memory (CPU offload),
         if one is in flight: the host is about to read or write the main gradient."""
-        event, self._copy_out_event = self._copy_out_event, None
+        event, self.copy_out_event = self.copy_out_event, None
         if event is not None:
             event.synchronize()
 

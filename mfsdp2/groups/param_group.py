@@ -47,7 +47,7 @@ from ..memory.buffer import DataParallelBuffer
 from ..comm.communicator import CommHandle, Communicator
 from ..comm.custom import CustomCommunicator
 from ..precision.fp8 import Float8Gather
-from .grad_reduction import GradientReduction, PendingReduction
+from .grad_reduction import GradientReduction
 from .grad_views import GradViews
 from ..memory.layout import BufferLayout, plan_layout
 from ..precision.mixed_precision import MixedPrecisionPolicy
@@ -142,7 +142,6 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         self.custom_reduce_scatter = False  # a user's reduce-scatter object (set_custom_comm): it gets SUM
         self.all_reduce_hook = None  # called on the reduced shard before it is accumulated (set_all_reduce_hook)
         self.requires_all_reduce = True  # HSDP: False accumulates shard-group results (set_requires_all_reduce)
-        self.partial: Optional[torch.Tensor] = None  # those accumulated results, until the next all-reduce
         self.infos = infos
         self.mesh = mesh
         self.comm = comm
@@ -214,14 +213,7 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         self._dp_storages: Optional[list[int]] = None  # see _check_data_not_assigned
         self._hooks_forwarded_to: dict[int, nn.Parameter] = {}  # see _forward_tensor_hooks
         self.unsharded_params: list[nn.Parameter] = []
-        self._pending_reduce: Optional[PendingReduction] = None
-        # Micro-batches of backwards without gradient sync, summed in the reduce dtype (see
-        # GradientReduction.accumulate_unsynced), and which parameters they gave a grad.
-        self.unsynced_grad: Optional[torch.Tensor] = None
-        self.unsynced_flags: list[bool] = []
-        self.grads_reduced_this_step = False
-        # Which parameters had a local gradient in this backward's reductions (see expose_grads).
-        self.local_grad_flags = [False] * len(params)
+        self.init_reduction(len(params))  # GradientReduction's state
 
         with torch.no_grad():
             for i, p in enumerate(params if not self.needs_init else []):

@@ -203,7 +203,7 @@ class StepInBackward:
         mg = g.main_grad
         # CUDA: the copy of this reduction into host memory, and the latest copy out of it (the
         # gathers read the main shard this job writes), must be done before the job reads / writes.
-        events = [e for e in (g._copy_out_event, *offload._host_reads.values()) if e is not None]
+        events = [e for e in (g.copy_out_event, *offload._host_reads.values()) if e is not None]
         if opt.max_grad_norm is not None:
             return  # clipping: every step waits for the global norm (see the module docstring)
         items = [(index, opt.param_groups[index], [p for _, p in its]) for index, its in by_index]
