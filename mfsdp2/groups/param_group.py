@@ -116,6 +116,18 @@ def mark_empty_pieces(g: "ParameterGroup") -> None:
 
 
 class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
+    """One unit's parameters of one (mesh, dtype policy, ``requires_grad``), sharded in flat
+    buffers planned by one layout (the module docstring describes the buffers).
+
+    Owns, here: the layout, the main-weight shard, the model-weight buffer and its gathers
+    (``unshard`` / ``reshard``, the partial reshard of ``reshard_after_forward=<int>``), its
+    allocation on the meta device and after it, and FP8's gather. Its parts own the rest, each
+    with its state declared in its own initialiser: the parameters as modules and optimizers see
+    them and the checks before each use (:class:`ParameterRegistration`), whether persistent
+    weights changed since the last gather (:class:`WeightChanges`), and the gradient reduction
+    with the main gradient it lands in (:class:`GradientReduction`, over
+    :class:`~mfsdp2.groups.main_grad.MainGradient`)."""
+
     def __init__(
         self,
         unit_name: str,
