@@ -103,6 +103,8 @@ class FSDPState(FSDP2StateNames):
         self.reduce_unused_params = False
         # (pre-forward, post-forward) hook handles of each module of the unit (fully_shard).
         self.forward_hook_handles: list = []
+        # Parameters with FSDP2's all-gather extension (mfsdp2.groups.subclass_gather.SubclassUnit), or None.
+        self.subclass = None
 
     def __repr__(self) -> str:
         return f"FSDPState({self.name!r}, {self.shard_state.value}, {self.training_state.value})"
