@@ -33,6 +33,7 @@ from ..memory.offload import MainMemory, main_memory_for
 from ..groups.param_group import GroupConfig, ParameterGroup, ParamInfo
 from ..groups.subclass_gather import split_subclass_params, subclass_unit
 from ..groups.subclass_params import has_all_gather_extension
+from ..base.compile_cache import protect_compile_caches
 from ..dtensors.shard_dim import InvalidShardDimError, shard_dims  # noqa: F401  (InvalidShardDimError: re-exported)
 from ..runtime.shared_params import adopt_shared, mark_owned
 from ..runtime.state import FSDPState, unit_state
@@ -378,6 +379,7 @@ def fully_shard(
 
     for m in modules:
         _make_unit_module(m, state)
+    protect_compile_caches(comm.world_size)  # torch.compile's shared caches (base/compile_cache.py)
     logger.debug("mfsdp2: %s -> %d groups: %s", name, len(groups), [g.layout.describe() for g in groups])
     return module
 
