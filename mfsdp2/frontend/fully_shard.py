@@ -90,8 +90,9 @@ def _collect(
                 raise ValueError(
                     f"mfsdp2: parameter {fqn!r} of {type(module).__name__} is a {type(p).__name__}, a tensor "
                     "subclass (a lazy module's uninitialised parameter, or a quantised weight such as "
-                    "TransformerEngine's Float8Tensor/MXFP8Tensor); mfsdp2 shards plain tensors and "
-                    "tensor-parallel DTensors. Run a forward to initialise lazy modules, build TE models "
+                    "TransformerEngine's Float8Tensor/MXFP8Tensor); mfsdp2 shards plain tensors, "
+                    "tensor-parallel DTensors and subclasses defining FSDP2's fsdp_pre_all_gather / "
+                    "fsdp_post_all_gather (torchao's). Run a forward to initialise lazy modules, build TE models "
                     "without fp8_model_init, and gather in float8 with MixedPrecisionPolicy(all_gather_dtype=...)"
                 )
             if p.device.type == "meta":  # sharded now, values later: mfsdp2.materialize(model)

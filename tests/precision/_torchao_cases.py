@@ -146,7 +146,7 @@ def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def train(case: str, runtime: str, rank: int, ws: int, steps: int = STEPS, precompute: bool = False,
-          mesh=None) -> dict:
+          mesh=None, bf16: bool = False) -> dict:
     """Shard ``case``'s model with ``runtime`` ("fsdp2" or "mfsdp2"), train ``steps`` steps and
     return what the parity tests compare."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -157,9 +157,14 @@ def train(case: str, runtime: str, rank: int, ws: int, steps: int = STEPS, preco
         from mfsdp2 import fully_shard
     mesh = mesh or init_device_mesh("cpu", (ws,))
     model, d = build(case)
+    kw = {}
+    if bf16:  # compute in bfloat16, reduce gradients in float32 (FSDP2's policy, the same fields in both)
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for blk in model[:2]:
-        fully_shard(blk, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(blk, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
     g = torch.Generator().manual_seed(1)

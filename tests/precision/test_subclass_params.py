@@ -7,7 +7,9 @@ subclass), and FSDP2's ``out=`` reuse of the unsharded parameter from the second
 
 One launch per scenario family (NF4 QLoRA; float8 with float8 all-gather, with and without
 precomputed scales; int8 weight-only, int8 mixed precision and BitNet; the MoE float8 and
-MXFP8-emulated wrappers), world size 2; float8 once more at world size 4.
+MXFP8-emulated wrappers), world size 2, each also under ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`` where the subclass takes it (gradients then reduce in fp32 and land in the
+parameter's dtype); float8 once more at world size 4.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def _compare(rank: int, ws: int, cases: list, gloo_reduce_scatter: bool = False)
                 continue
             for p in st.subclass.params:
                 reuse.append((p.posts, p.unsharded is not None))
-        out[case + ("+precompute" if kw.get("precompute") else "")] = {
+        out[case + "".join(f"+{k}" for k in sorted(kw) if kw[k])] = {
             "bad": bad,
             "bytes": (a["ag_bytes"], b["ag_bytes"]),
             "calls": (a["ag_calls"], b["ag_calls"]),
@@ -107,7 +109,7 @@ def _check(results: list, expect_types: dict, plain_exact: bool = True) -> None:
 def test_nf4_qlora():
     """Frozen NF4 base weights + trainable LoRA adapters and norms (torchtune's recipe, built from
     torchao's NF4): one all-gather per unit carrying the packed NF4 bytes."""
-    res = run_ranks(_compare, 2, [("nf4", {})], timeout=300)
+    res = run_ranks(_compare, 2, [("nf4", {}), ("nf4", {"bf16": True})], timeout=300)
     _check(res, {"nf4": "NF4Tensor"})
     fsdp2_bytes, ours = res[0]["nf4"]["bytes"]
     # The NF4 codes are half a byte per weight: far below the fp32 weights' bytes.
@@ -118,7 +120,8 @@ def test_nf4_qlora():
 def test_float8_all_gather():
     """torchao float8 training with ``enable_fsdp_float8_all_gather`` (dynamic scales agreed
     inside ``fsdp_pre_all_gather``, and precomputed by ``precompute_float8_dynamic_scale_for_fsdp``)."""
-    res = run_ranks(_compare, 2, [("float8", {}), ("float8", {"precompute": True})], timeout=300)
+    cases = [("float8", {}), ("float8", {"precompute": True}), ("float8", {"bf16": True})]
+    res = run_ranks(_compare, 2, cases, timeout=300)
     _check(res, {"float8": "WeightWithDynamicFloat8CastTensor"})
 
 
@@ -132,7 +135,7 @@ def test_float8_all_gather_world_4():
 def test_int8_and_bitnet():
     """int8 weight-only quantised training (int8 values + row scales on the wire), int8 mixed
     precision (high-precision weights through the extension) and BitNet (2-bit packed)."""
-    cases = [("int8_weight_only", {}), ("int8_mixed_precision", {}), ("bitnet", {})]
+    cases = [("int8_weight_only", {}), ("int8_mixed_precision", {}), ("int8_mixed_precision", {"bf16": True}), ("bitnet", {})]
     res = run_ranks(_compare, 2, cases, timeout=400)
     _check(res, {"int8_weight_only": "Int8QuantizedTrainingLinearWeight",
                  "int8_mixed_precision": "Int8MixedPrecisionTrainingLinearWeight",
@@ -142,5 +145,5 @@ def test_int8_and_bitnet():
 def test_moe_training_wrappers():
     """torchao's MoE training weight wrappers (float8 rowwise and MXFP8 emulated), which gather in
     high precision and check that ``out=`` holds the all-gather output's storage."""
-    res = run_ranks(_compare, 2, [("moe_float8", {}), ("moe_mxfp8", {})], timeout=400)
+    res = run_ranks(_compare, 2, [("moe_float8", {}), ("moe_float8", {"bf16": True}), ("moe_mxfp8", {})], timeout=400)
     _check(res, {"moe_float8": "Float8TrainingWeightWrapperTensor", "moe_mxfp8": "MXFP8TrainingWeightWrapperTensor"})
