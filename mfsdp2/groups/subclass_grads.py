@@ -14,8 +14,9 @@ torch 2.13's ``foreach_reduce`` reduces them, so the optimizer sees FSDP2's grad
 * exposed as ``Shard(0)`` DTensor ``.grad`` over this rank's rows of the output, or added to the
   ``.grad`` already there (accumulation across steps without ``zero_grad``).
 
-One reduction is in flight per unit: issued at the unit's post-backward, finished at its next
-one or at the root's final callback (which drains every unit). Without gradient sync
+One such reduction is in flight at a time across the root's units, as FSDP2 keeps one
+reduce-scatter input alive: issued at a unit's post-backward, finished before the next unit's is
+packed, or at the root's final callback. Without gradient sync
 (``set_requires_gradient_sync(False)``) the gradients stay on the unsharded parameters, where
 autograd accumulates them for the synced backward, as in FSDP2.
 """

@@ -487,6 +487,11 @@ def post_backward(state: FSDPState) -> None:
                 if not g.reduce_grads(ctx.allocator, (state.name, i), label, ctx.buckets):
                     issued = True  # its own collective (a bucketed one is finished by the buckets)
             if state.subclass is not None and state.subclass.has_unsharded_grads():
+                # One subclass reduction input alive at a time across units (FSDP2's default):
+                # the previous unit's is finished before this one's is packed.
+                for s in ctx.states:
+                    if s.subclass is not None:
+                        s.subclass.finish_reduce()
                 state.subclass.reduce_grads(f"reduce-scatter of unit {state.name!r} (subclass parameters, step {ctx.step})")
             if issued:
                 event_log.record("rs_issue", state.name)
