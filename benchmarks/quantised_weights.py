@@ -12,7 +12,8 @@ barrier before each step; a step's time is the max over ranks, reported as the m
   torchtune's ``FrozenNF4Linear`` + LoRA, built from torchao's NF4), 64 tokens per rank, AdamW on
   the adapters and norms. Measured: **peak memory per rank** -- the RSS high-water mark during a
   step above the RSS at its start (``VmHWM`` after ``clear_refs``, freed memory returned to the
-  OS first), the max over ranks, median over rounds -- and the step time.
+  OS first), the max over ranks, median over rounds, with glibc's mmap threshold fixed at 64 KiB
+  (``MEMORY_ENV``) so that the RSS follows the live tensors -- and the step time.
 * ``float8``: 4 blocks (LayerNorm, ``Linear(1024, 4096)``, ReLU, ``Linear(4096, 1024)``) converted
   by torchao's ``convert_to_float8_training`` with ``enable_fsdp_float8_all_gather=True``,
   ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step (torchtitan's recipe),
@@ -153,9 +154,18 @@ def worker(rank: int, ws: int, case: str, rounds: int) -> dict:
     return {"times": times, "peaks": peaks, "losses": losses, "busy_s": busy, "own_cpu_s": own, "wall_s": wall}
 
 
+# Memory: every allocation of 64 KiB or more gets its own mapping, returned to the OS when freed,
+# so the RSS high-water mark follows the live tensors (glibc's adaptive threshold, up to 32 MiB,
+# otherwise keeps freed blocks resident and the peak depends on what ran before). Time: glibc's
+# defaults, as a training job runs.
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+MEASURES = {"qlora": "memory", "float8": "time"}
+
+
 def run_case(case: str, rounds: int, ws: int = 2) -> dict:
-    per_rank = C.run_ranks(worker, ws, case, rounds)
-    out = {"case": case, "rounds": rounds, "world_size": ws}
+    env = MEMORY_ENV if MEASURES.get(case) == "memory" else None
+    per_rank = C.run_ranks(worker, ws, case, rounds, env=env)
+    out = {"case": case, "rounds": rounds, "world_size": ws, "env": env or {}}
     for r in RUNTIMES:
         step = C.max_over_ranks([pr["times"][r] for pr in per_rank])
         peak = [max(pr["peaks"][r][i] for pr in per_rank) for i in range(rounds)]

@@ -47,19 +47,44 @@ class SubclassGrads:
         return any(p.dist_param.requires_grad for p in self.params)
 
     def has_unsharded_grads(self) -> bool:
-        return any(p.unsharded is not None and p.unsharded.grad is not None for p in self.params)
+        return any(p.accumulated is not None or (p.unsharded is not None and p.unsharded.grad is not None)
+                   for p in self.params)
+
+    @torch.no_grad()
+    def accumulate_unsynced(self) -> None:
+        """A backward without gradient sync: as FSDP2, a gradient in a dtype other than the
+        reduce dtype (bf16 compute, fp32 reduction) moves into an accumulator in the reduce
+        dtype, and later micro-batches add into it; otherwise autograd keeps accumulating on the
+        unsharded parameter."""
+        for p in self.params:
+            up = p.unsharded
+            if up is None or up.grad is None:
+                continue
+            if p.accumulated is not None:
+                p.accumulated += up.grad
+            elif p.reduce_dtype is not None and up.grad.dtype != p.reduce_dtype:
+                p.accumulated = up.grad.to(p.reduce_dtype)
+            else:
+                continue
+            up.grad = None
 
     def reduce_grads(self, label: str) -> None:
         """Pack, and issue the reduce-scatter of, every unsharded gradient (finishing the
         previous reduction first)."""
         self.finish_reduce()
-        entries = [p for p in self.params if p.unsharded is not None and p.unsharded.grad is not None]
+        self.accumulate_unsynced()  # this backward's gradients join earlier micro-batches' (FSDP2's order)
+        entries = [p for p in self.params
+                   if p.accumulated is not None or (p.unsharded is not None and p.unsharded.grad is not None)]
         if not entries:
             return
         grads = []
         for p in entries:
-            grads.append(p.unsharded.grad)
-            p.unsharded.grad = None
+            if p.accumulated is not None:
+                grads.append(p.accumulated)
+                p.accumulated = None
+            else:
+                grads.append(p.unsharded.grad)
+                p.unsharded.grad = None
         dtypes = {g.dtype for g in grads}
         if len(dtypes) != 1:
             raise RuntimeError(
@@ -111,5 +136,6 @@ class SubclassGrads:
 
     def drop_unsharded_grads(self) -> None:
         for p in self.params:
+            p.accumulated = None
             if p.unsharded is not None:
                 p.unsharded.grad = None

@@ -153,6 +153,8 @@ class SubclassParam:
         self.outputs: list[torch.Tensor] = []  # one 1-D all-gather output per input (N x input numel)
         self.inner: list[torch.Tensor] = []  # the unsharded subclass's own inner tensors (freed at reshard)
         self.unsharded: Optional[nn.Parameter] = None
+        # Micro-batches' gradients accumulated in the reduce dtype without sync (subclass_grads.py).
+        self.accumulated: Optional[torch.Tensor] = None
         self.metadata: Any = None
         self.input_sizes: list[torch.Size] = []
         self.posts = 0  # tests: fsdp_post_all_gather calls (the first builds, the rest are out=)

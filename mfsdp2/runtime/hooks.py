@@ -504,6 +504,8 @@ def post_backward(state: FSDPState) -> None:
         for g in state.groups:
             if g.requires_grad:
                 g.accumulate_unsynced()
+        if state.subclass is not None:
+            state.subclass.accumulate_unsynced()
     state.post_backward_done = True
     state.training_state = TrainingState.POST_BACKWARD
 
@@ -556,6 +558,8 @@ def _final_callback(ctx: RootContext) -> None:
                     for g in s.groups:
                         if g.requires_grad:
                             g.accumulate_unsynced()
+                    if s.subclass is not None:
+                        s.subclass.accumulate_unsynced()
             ctx.buckets.flush()  # buckets whose last planned member never came are issued as they are
             ctx.buckets.end_backward()
             if ctx.root.is_last_backward:  # else (set_is_last_backward(False)) they stay in flight

@@ -146,7 +146,7 @@ def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def train(case: str, runtime: str, rank: int, ws: int, steps: int = STEPS, precompute: bool = False,
-          mesh=None, bf16: bool = False) -> dict:
+          mesh=None, bf16: bool = False, accum: bool = False) -> dict:
     """Shard ``case``'s model with ``runtime`` ("fsdp2" or "mfsdp2"), train ``steps`` steps and
     return what the parity tests compare."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -176,6 +176,10 @@ def train(case: str, runtime: str, rank: int, ws: int, steps: int = STEPS, preco
 
             precompute_float8_dynamic_scale_for_fsdp(model)
         with GatherCounter() as c:
+            if accum:  # a first micro-batch without gradient sync, then the synced one
+                model.set_requires_gradient_sync(False)
+                model(torch.flip(x, (0,))).float().pow(2).mean().backward()
+                model.set_requires_gradient_sync(True)
             loss = model(x).float().pow(2).mean()
             loss.backward()
         rec["ag_bytes"].append(c.bytes)

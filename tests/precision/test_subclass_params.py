@@ -9,7 +9,8 @@ One launch per scenario family (NF4 QLoRA; float8 with float8 all-gather, with a
 precomputed scales; int8 weight-only, int8 mixed precision and BitNet; the MoE float8 and
 MXFP8-emulated wrappers), world size 2, each also under ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)`` where the subclass takes it (gradients then reduce in fp32 and land in the
-parameter's dtype); float8 once more at world size 4.
+parameter's dtype), float8 also with a micro-batch without gradient sync (accumulated in fp32,
+as FSDP2); float8 once more at world size 4.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def test_nf4_qlora():
 def test_float8_all_gather():
     """torchao float8 training with ``enable_fsdp_float8_all_gather`` (dynamic scales agreed
     inside ``fsdp_pre_all_gather``, and precomputed by ``precompute_float8_dynamic_scale_for_fsdp``)."""
-    cases = [("float8", {}), ("float8", {"precompute": True}), ("float8", {"bf16": True})]
+    cases = [("float8", {}), ("float8", {"precompute": True}), ("float8", {"bf16": True}),
+             ("float8", {"bf16": True, "accum": True})]
     res = run_ranks(_compare, 2, cases, timeout=300)
     _check(res, {"float8": "WeightWithDynamicFloat8CastTensor"})
 
