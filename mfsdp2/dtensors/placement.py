@@ -35,6 +35,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..base import compat
 from ..comm.devices import group_backend
@@ -96,7 +97,7 @@ class RowShard(Shard):
 
     def _to_replicate_tensor(self, local_tensor, mesh: DeviceMesh, mesh_dim: int, current_logical_shape):  # type: ignore[override]
         self._check_mesh(mesh.size(mesh_dim))
-        if type(local_tensor) is not torch.Tensor:
+        if is_traceable_wrapper_subclass(local_tensor):
             local_tensor, gathered = self._subclass_to_gather(local_tensor, mesh, mesh_dim, current_logical_shape)
             if gathered:  # by torch's own Shard path, the subclass kept
                 return local_tensor
@@ -111,7 +112,7 @@ class RowShard(Shard):
         return full.movedim(0, self.dim).contiguous()
 
     def _subclass_to_gather(self, local_tensor, mesh, mesh_dim, current_logical_shape):
-        """A tensor subclass's piece (torchao's low-bit optimizer states: they implement
+        """A wrapper subclass's piece (torchao's low-bit optimizer states: they implement
         ``view``, dim-0 ``slice``, ``copy_`` and the functional all-gather, not ``permute`` or
         ``new_zeros``). Equal dim-0 rows on every rank: torch's own ``Shard`` gather, which calls
         only the functional all-gather the subclass implements, and keeps the subclass (as under
@@ -120,7 +121,7 @@ class RowShard(Shard):
         optimizer state of the same values, in the state's dtype."""
         if self.dim == 0 and len(set(self.rows)) == 1:
             return Shard(0)._to_replicate_tensor(local_tensor, mesh, mesh_dim, current_logical_shape), True
-        if hasattr(local_tensor, "dequantize"):
+        if type(local_tensor).dequantize is not torch.Tensor.dequantize:  # its own, not torch's (a cast to float32)
             return local_tensor.dequantize(), False
         raise TypeError(
             f"mfsdp2: gathering a {type(local_tensor).__name__} split over the ranks in rows {list(self.rows)}: "
@@ -132,7 +133,7 @@ class RowShard(Shard):
     def _replicate_to_shard(self, local_tensor, mesh: DeviceMesh, mesh_dim: int, shard_index):  # type: ignore[override]
         self._check_mesh(mesh.size(mesh_dim))
         i = int(shard_index)
-        if type(local_tensor) is not torch.Tensor and self.dim == 0:
+        if is_traceable_wrapper_subclass(local_tensor) and self.dim == 0:
             # dim-0 slicing is what torchao's low-bit states implement (at block edges); no clone
             # (not implemented either): the slice of a full tensor made for this split is the piece.
             return local_tensor[self.starts[i] : self.starts[i] + self.rows[i]]
