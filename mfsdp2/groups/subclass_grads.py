@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 from ..comm.communicator import CommHandle
+from ..memory.buffer import leaked_blocks
 from ..dtensors.placement import wrap_local
 
 __all__ = ["SubclassGrads"]
@@ -130,9 +131,11 @@ class SubclassGrads:
         """After an error: settle the reduction in flight (dropped); False if it may still run."""
         if self._pending is None:
             return True
-        h = self._pending[0]
-        self._pending = None
-        return h.settle()
+        pending, self._pending = self._pending, None
+        if pending[0].settle():
+            return True
+        leaked_blocks.append(pending)  # may still be written by the backend's thread: never freed
+        return False
 
     def drop_unsharded_grads(self) -> None:
         for p in self.params:
