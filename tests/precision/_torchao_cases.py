@@ -146,7 +146,7 @@ def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def train(case: str, runtime: str, rank: int, ws: int, steps: int = STEPS, precompute: bool = False,
-          mesh=None, bf16: bool = False, accum: bool = False) -> dict:
+          mesh=None, bf16: bool = False, accum: bool = False, ac: bool = False) -> dict:
     """Shard ``case``'s model with ``runtime`` ("fsdp2" or "mfsdp2"), train ``steps`` steps and
     return what the parity tests compare."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -162,6 +162,11 @@ def train(case: str, runtime: str, rank: int, ws: int, steps: int = STEPS, preco
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if ac:  # activation checkpointing around each block (torchtune's QLoRA recipe), then FSDP
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i in range(2):
+            model[i] = checkpoint_wrapper(model[i])
     for blk in model[:2]:
         fully_shard(blk, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)

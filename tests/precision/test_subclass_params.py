@@ -109,8 +109,9 @@ def _check(results: list, expect_types: dict, plain_exact: bool = True) -> None:
 
 def test_nf4_qlora():
     """Frozen NF4 base weights + trainable LoRA adapters and norms (torchtune's recipe, built from
-    torchao's NF4): one all-gather per unit carrying the packed NF4 bytes."""
-    res = run_ranks(_compare, 2, [("nf4", {}), ("nf4", {"bf16": True})], timeout=300)
+    torchao's NF4; also with activation checkpointing around each block, as that recipe runs):
+    one all-gather per unit carrying the packed NF4 bytes."""
+    res = run_ranks(_compare, 2, [("nf4", {}), ("nf4", {"bf16": True}), ("nf4", {"ac": True})], timeout=300)
     _check(res, {"nf4": "NF4Tensor"})
     fsdp2_bytes, ours = res[0]["nf4"]["bytes"]
     # The NF4 codes are half a byte per weight: far below the fp32 weights' bytes.
