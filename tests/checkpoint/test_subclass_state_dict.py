@@ -6,7 +6,8 @@ over the ``torch.chunk`` piece whose local tensor is the subclass (compared by t
 and every inner tensor), also while the unit is gathered. DCP moves checkpoints both ways: saved
 from mfsdp2 and loaded into FSDP2, and the reverse, with every parameter equal afterwards; the
 loaded mfsdp2 model then trains on as the FSDP2 one does (one more step, losses equal). Full
-state dicts (DSD's ``full_state_dict=True``) hold the same full tensors.
+model and optimizer state dicts (DSD's ``full_state_dict=True``) hold the same full tensors, and
+the optimizer's loads back.
 """
 
 from __future__ import annotations
@@ -105,7 +106,32 @@ def _run(rank: int, ws: int, case: str, root: str) -> dict:
     out["loaded_into_fsdp2"] = _same_description(_describe(m.state_dict()), _describe(f2.state_dict()))
     out["loaded_into_mfsdp2"] = _same_description(_describe(f.state_dict()), _describe(m2.state_dict()))
     out["losses"] = (_step(f2, d, rank, ws, seed=4), _step(m2, d, rank, ws, seed=4))
+    out["optim"] = _optimizer_state_dicts(rank, ws, case)
     return out
+
+
+def _optimizer_state_dicts(rank: int, ws: int, case: str) -> list:
+    """Full optimizer state dicts (DSD) after 2 steps: the same entries, types and values as
+    FSDP2's, and they load back (a resume)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+
+    from ..precision._torchao_cases import train
+
+    opts = StateDictOptions(full_state_dict=True)
+    got = {}
+    for rt in ("fsdp2", "mfsdp2"):
+        r = train(case, rt, rank, ws, steps=2)
+        osd = get_optimizer_state_dict(r["model"], r["opt"], options=opts)
+        got[rt] = {k: {s: (type(v).__name__, inner_tensors(v)) for s, v in st.items() if isinstance(v, torch.Tensor)}
+                   for k, st in osd["state"].items()}
+        set_optimizer_state_dict(r["model"], r["opt"], osd, options=opts)
+    bad = [] if set(got["fsdp2"]) == set(got["mfsdp2"]) else [("keys", sorted(got["fsdp2"]), sorted(got["mfsdp2"]))]
+    for k, st in got["fsdp2"].items():
+        for s, (t, inner) in st.items():
+            mt, minner = got["mfsdp2"].get(k, {}).get(s, (None, []))
+            if t != mt or len(inner) != len(minner) or not all(torch.equal(a, b) for a, b in zip(inner, minner)):
+                bad.append((k, s, t, mt))
+    return bad
 
 
 @pytest.mark.parametrize("case", ["nf4", "float8"])
@@ -117,3 +143,4 @@ def test_state_dicts_and_dcp_as_fsdp2(case, tmp_path):
         assert r["loaded_into_fsdp2"] == [], r["loaded_into_fsdp2"]
         assert r["loaded_into_mfsdp2"] == [], r["loaded_into_mfsdp2"]
         assert r["losses"][0] == r["losses"][1], r["losses"]
+        assert r["optim"] == [], r["optim"]
