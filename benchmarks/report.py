@@ -59,6 +59,8 @@ SOURCES = {
     "scale": ("scale.json", "python benchmarks/scale.py --json benchmarks/results/scale.json"),
     "alpha_beta": ("alpha_beta.json", "python benchmarks/alpha_beta.py --json benchmarks/results/alpha_beta.json"),
     "shard_dim": ("shard_dim.json", "python benchmarks/shard_dim.py --json benchmarks/results/shard_dim.json"),
+    "quantised": ("quantised_weights.json",
+                  "python benchmarks/quantised_weights.py --json benchmarks/results/quantised_weights.json"),
 }
 
 FRAMEWORKS = (("mfsdp2", "mfsdp2"), ("fsdp2_tuned", "FSDP2 tuned"), ("fsdp2", "FSDP2 default"))
@@ -488,6 +490,29 @@ def block_shard_dim() -> str:
             + f"\n\n{d['iters']} iterations. " + run_line("shard_dim", d))
 
 
+def block_quantised() -> str:
+    d = load("quantised")
+    if d is None:
+        return missing("quantised")
+    goals = {"qlora": ("peak", "peak memory per rank <= 1.0x FSDP2"), "float8": ("step", "step time <= 0.9x FSDP2")}
+    rows = []
+    for x in d["results"]:
+        kind, goal = goals.get(x["case"], ("step", ""))
+        rat = x["ratio"]
+        vs_t, vs_d = (rat["peak_vs_tuned"], rat["peak_vs_default"]) if kind == "peak" else (rat["step_vs_tuned"], rat["step_vs_default"])
+        met = "met" if vs_t <= (1.0 if kind == "peak" else 0.9) and vs_d <= (1.0 if kind == "peak" else 0.9) else "not met"
+        for fw, label in FRAMEWORKS:
+            r = x[fw]
+            rows.append([x["case"], label, ms(r["step_s_median"]), f"{ms(r['step_s_p10'])}-{ms(r['step_s_p90'])}",
+                         mib(r["peak_bytes_median"]),
+                         f"{goal}: {r2(vs_t)}x tuned, {r2(vs_d)}x default ({met})" if fw == "mfsdp2" else "",
+                         f"{x['foreign_cpu_fraction']:.0%}" if fw == "mfsdp2" else "",
+                         ("yes" if x["losses_identical"] else "no") if fw == "mfsdp2" else ""])
+    return (md(["case", "runtime", "step ms", "p10-p90", "step peak MiB", "goal", "other load", "losses identical"], rows)
+            + f"\n\n{d['rounds']} alternating rounds per case; other processes used {d['quiet_before']:.0%} of the CPUs "
+            f"before the run (load average {d['load_average_before'][0]:.1f}). " + run_line("quantised", d))
+
+
 # -- goals -------------------------------------------------------------------------------------------
 def _cmp(d: dict, name: str) -> dict:
     return next(c for c in d["cases"] if case_name(c) == name)
@@ -583,7 +608,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "strategies": block_strategies, "accum": block_accum, "fp8": block_fp8, "phases": block_phases,
     "allocators": block_allocators, "optimizer": block_optimizer, "native": block_native, "clip": block_clip,
     "estimate": block_estimate, "scale_memory": block_scale_memory, "scale_steps": block_scale_steps,
-    "alpha_beta": block_alpha_beta, "shard_dim": block_shard_dim,
+    "alpha_beta": block_alpha_beta, "shard_dim": block_shard_dim, "quantised": block_quantised,
 }
 
 MARK = re.compile(r"(<!-- report:(\w+) -->\n)(.*?)(<!-- /report:\2 -->)", re.S)

@@ -99,10 +99,29 @@ def _own_entries(module: nn.Module, prefix: str):
                     yield prefix + info.fqn[len(tag):], dp, rows
 
 
+def _subclass_entries(module: nn.Module, prefix: str):
+    """``(key, dist_param)`` of the unit's parameters with FSDP2's all-gather extension
+    (:mod:`mfsdp2.groups.subclass_params`): their entries are the ``Shard(0)`` DTensors, as FSDP2's,
+    also while the unit is gathered."""
+    state = module._mfsdp2_state
+    if state.subclass is None:
+        return
+    tag = ""
+    if len(state.modules) > 1:
+        tag = f"[{next(j for j, m in enumerate(state.modules) if m is module)}]."
+    for p in state.subclass.params:
+        for info in p.infos:
+            if info.fqn.startswith(tag):
+                yield prefix + info.fqn[len(tag):], p.dist_param
+
+
 def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     # The entries are views of the main weights, and DCP's load writes into them in place (no
     # load hook runs): under CPU offload, copies to the device still reading them end first.
     settle_host_reads()
+    for key, dp in _subclass_entries(module, prefix):
+        if key in state_dict:
+            state_dict[key] = dp if isinstance(state_dict[key], nn.Parameter) else dp.detach()
     for key, dp, rows in _own_entries(module, prefix):
         if key not in state_dict:
             continue

@@ -35,6 +35,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..base import compat
 from ..comm.devices import group_backend
@@ -96,6 +97,10 @@ class RowShard(Shard):
 
     def _to_replicate_tensor(self, local_tensor, mesh: DeviceMesh, mesh_dim: int, current_logical_shape):  # type: ignore[override]
         self._check_mesh(mesh.size(mesh_dim))
+        if is_traceable_wrapper_subclass(local_tensor):
+            local_tensor, gathered = self._subclass_to_gather(local_tensor, mesh, mesh_dim, current_logical_shape)
+            if gathered:  # by torch's own Shard path, the subclass kept
+                return local_tensor
         # Pad every piece to the longest, gather once, then drop each piece's padding.
         m = max(self.rows)
         moved = local_tensor.movedim(self.dim, 0)
@@ -106,9 +111,32 @@ class RowShard(Shard):
         full = torch.cat([out[i * m : i * m + r] for i, r in enumerate(self.rows)])
         return full.movedim(0, self.dim).contiguous()
 
+    def _subclass_to_gather(self, local_tensor, mesh, mesh_dim, current_logical_shape):
+        """A wrapper subclass's piece (torchao's low-bit optimizer states: they implement
+        ``view``, dim-0 ``slice``, ``copy_`` and the functional all-gather, not ``permute`` or
+        ``new_zeros``). Equal dim-0 rows on every rank: torch's own ``Shard`` gather, which calls
+        only the functional all-gather the subclass implements, and keeps the subclass (as under
+        FSDP2): ``(full tensor, True)``. Otherwise the subclass is asked for its values
+        (``dequantize()``), gathered as a plain tensor by the caller: ``(values, False)``, a full
+        optimizer state of the same values, in the state's dtype."""
+        if self.dim == 0 and len(set(self.rows)) == 1:
+            return Shard(0)._to_replicate_tensor(local_tensor, mesh, mesh_dim, current_logical_shape), True
+        if type(local_tensor).dequantize is not torch.Tensor.dequantize:  # its own, not torch's (a cast to float32)
+            return local_tensor.dequantize(), False
+        raise TypeError(
+            f"mfsdp2: gathering a {type(local_tensor).__name__} split over the ranks in rows {list(self.rows)}: "
+            "uneven row shards are padded to one size, which needs ops this tensor subclass does not implement, "
+            "and it has no dequantize() to gather its values instead; give it dequantize(), or shard the "
+            "parameter so that every rank holds the same number of rows"
+        )
+
     def _replicate_to_shard(self, local_tensor, mesh: DeviceMesh, mesh_dim: int, shard_index):  # type: ignore[override]
         self._check_mesh(mesh.size(mesh_dim))
         i = int(shard_index)
+        if is_traceable_wrapper_subclass(local_tensor) and self.dim == 0:
+            # dim-0 slicing is what torchao's low-bit states implement (at block edges); no clone
+            # (not implemented either): the slice of a full tensor made for this split is the piece.
+            return local_tensor[self.starts[i] : self.starts[i] + self.rows[i]]
         return local_tensor.narrow(self.dim, self.starts[i], self.rows[i]).clone()
 
     def _to_new_shard_dim(self, local_tensor, mesh, mesh_dim, current_logical_shape, new_shard_dim):  # type: ignore[override]

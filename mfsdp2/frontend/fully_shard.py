@@ -32,6 +32,9 @@ from .module import _EAGER_POST_FORWARD, _EAGER_PRE_FORWARD, FSDPModule
 from .torch_identity import register_torch_state
 from ..memory.offload import MainMemory, main_memory_for
 from ..groups.param_group import GroupConfig, ParameterGroup, ParamInfo
+from ..groups.subclass_gather import split_subclass_params, subclass_unit
+from ..groups.subclass_params import has_all_gather_extension
+from ..base.compile_cache import protect_compile_caches
 from ..dtensors.shard_dim import InvalidShardDimError, shard_dims  # noqa: F401  (InvalidShardDimError: re-exported)
 from ..runtime.shared_params import adopt_shared, mark_owned
 from ..runtime.state import FSDPState, unit_state
@@ -80,12 +83,13 @@ def _collect(
             fqn = prefix + attr
             if isinstance(p, DTensor) and id(p) not in specs:
                 specs[id(p)] = tp_spec_of(p, mesh, fqn, type(module).__name__)
-            elif type(p) is not nn.Parameter and not isinstance(p, DTensor):
+            elif type(p) is not nn.Parameter and not isinstance(p, DTensor) and not has_all_gather_extension(p, fqn):
                 raise ValueError(
                     f"mfsdp2: parameter {fqn!r} of {type(module).__name__} is a {type(p).__name__}, a tensor "
                     "subclass (a lazy module's uninitialised parameter, or a quantised weight such as "
-                    "TransformerEngine's Float8Tensor/MXFP8Tensor); mfsdp2 shards plain tensors and "
-                    "tensor-parallel DTensors. Run a forward to initialise lazy modules, build TE models "
+                    "TransformerEngine's Float8Tensor/MXFP8Tensor); mfsdp2 shards plain tensors, "
+                    "tensor-parallel DTensors and subclasses defining FSDP2's fsdp_pre_all_gather / "
+                    "fsdp_post_all_gather (torchao's). Run a forward to initialise lazy modules, build TE models "
                     "without fp8_model_init, and gather in float8 with MixedPrecisionPolicy(all_gather_dtype=...)"
                 )
             if p.device.type == "meta":  # sharded now, values later: mfsdp2.materialize(model)
@@ -316,6 +320,8 @@ def fully_shard(
     name = where  # renamed to its path under the root at the first forward
     ignored = {id(p) for p in ignored_params} if ignored_params else set()
     infos, params, specs = _collect(modules, comm.device, mesh, ignored, main)
+    # Parameters whose tensor subclass defines FSDP2's all-gather extension (mfsdp2.groups.subclass_params).
+    infos, params, sub_infos, sub_params = split_subclass_params(infos, params)
     if main is not None:
         _move_buffers(modules, comm.device)
     # The dimension each parameter is sharded on (shard_placement_fn; mfsdp2.dtensors.shard_dim).
@@ -356,6 +362,12 @@ def fully_shard(
     ]
     state = FSDPState(modules[0], name, mesh, comm, groups, mp_policy, reshard_after_forward, allocator)
     state.post_forward_comm = post_forward_comm
+    state.subclass = subclass_unit(
+        name, sub_infos, sub_params, mesh, comm, modules[0], mp_policy, shards_params=strategy.shards_params,
+        offload=main is not None, hsdp=topology.replicate_dim is not None, partial_reshard=post_forward_comm is not None,
+        shard_dims=shard_dims(shard_placement_fn, [i[0].fqn for i in sub_infos], sub_params, where,
+                              topology.shard_dim is not None, [False] * len(sub_params)) if sub_params else None,
+    )
     state.reshard_after_forward_given = given
     state.modules = modules
     state.forward_to_run = {id(m) for m in modules}
@@ -365,6 +377,7 @@ def fully_shard(
 
     for m in modules:
         _make_unit_module(m, state)
+    protect_compile_caches(comm.world_size)  # torch.compile's shared caches (base/compile_cache.py)
     logger.debug("mfsdp2: %s -> %d groups: %s", name, len(groups), [g.layout.describe() for g in groups])
     return module
 

@@ -51,6 +51,7 @@ from . import grad_presence, step_guard
 from ..memory.offload import settle_host_reads
 from ..groups.weight_watch import agree_on_gathers
 from ..precision.fp8 import gather_riders
+from ..groups.subclass_gather import riders_of
 from . import param_adoption
 from ..memory.allocator import BufferRole
 
@@ -92,8 +93,19 @@ def unshard_async(state: FSDPState) -> None:
         step = state.ctx.step if state.ctx is not None else 0
         # An FP8 group carries the unit's compute-dtype group in its all-gather (one collective).
         riders = {} if partial else gather_riders(state.groups)
+        # Parameters with FSDP2's all-gather extension: one all-gather with the unit's other
+        # ZeRO-3 groups riding along (mfsdp2.groups.subclass_gather).
+        sub_riders = []
+        if state.subclass is not None:
+            sub_riders = riders_of(state.groups, set(riders) | set(riders.values()), state.comm)
+            rl = [(state.groups[j], ("weight", state.name, j)) for j in sub_riders]
+            names = ", ".join(["subclass parameters"] + [g.name for g, _ in rl])
+            h = state.subclass.all_gather(alloc, ("weight", state.name, "subclass"),
+                                          f"all-gather of unit {state.name!r} ({names}, step {step})", rl)
+            state.pending_unshard.append((state.subclass, h))
+            state.pending_unshard.extend((g, h) for g, _ in rl)
         for i, g in enumerate(state.groups):
-            if i in riders.values():
+            if i in riders.values() or i in sub_riders:
                 continue
             key = (BufferRole.WEIGHT, state.name, i)
             j = riders.get(i)
@@ -116,6 +128,8 @@ def wait_unshard(state: FSDPState) -> None:
         state.pending_unshard = []
         for g in state.groups:
             g.register(unsharded=True)
+        if state.subclass is not None:
+            state.subclass.register(unsharded=True)
         state.shard_state = ShardState.UNSHARDED
 
 
@@ -140,6 +154,9 @@ def reshard(state: FSDPState, to_group: bool = False) -> None:
                 g.reshard_to_group(state.post_forward_comm)
             else:
                 g.reshard()
+        if state.subclass is not None:
+            state.subclass.register(unsharded=False)
+            state.subclass.reshard()
         state.shard_state = ShardState.PARTIAL if to_group else ShardState.SHARDED
         event_log.record("reshard_to_group" if to_group else "reshard", state.name)
 
@@ -502,6 +519,13 @@ def post_backward(state: FSDPState) -> None:
                 label = f"reduce-scatter of unit {state.name!r} ({g.name}, step {ctx.step})"
                 if not g.reduce_grads(ctx.allocator, (state.name, i), label, ctx.buckets):
                     issued = True  # its own collective (a bucketed one is finished by the buckets)
+            if state.subclass is not None and state.subclass.has_unsharded_grads():
+                # One subclass reduction input alive at a time across units (FSDP2's default):
+                # the previous unit's is finished before this one's is packed.
+                for s in ctx.states:
+                    if s.subclass is not None:
+                        s.subclass.finish_reduce()
+                state.subclass.reduce_grads(f"reduce-scatter of unit {state.name!r} (subclass parameters, step {ctx.step})")
             if issued:
                 event_log.record("rs_issue", state.name)
                 if any(g.reduce_chained for _, g in reducing):
@@ -515,6 +539,8 @@ def post_backward(state: FSDPState) -> None:
         for g in state.groups:
             if g.requires_grad:
                 g.accumulate_unsynced()
+        if state.subclass is not None:
+            state.subclass.accumulate_unsynced()
     state.post_backward_done = True
     state.training_state = TrainingState.POST_BACKWARD
 
@@ -560,17 +586,23 @@ def _final_callback(ctx: RootContext) -> None:
             # backward() call of this step) they came from: a step may back-propagate in several
             # backward() calls (chunked loss, retain_graph, two losses), each with its own callback.
             for s in reversed(ctx.states):
-                if s.requires_gradient_sync and any(g.requires_grad and g.has_unsharded_grads() for g in s.groups):
+                if s.requires_gradient_sync and (any(g.requires_grad and g.has_unsharded_grads() for g in s.groups)
+                                                 or (s.subclass is not None and s.subclass.has_unsharded_grads())):
                     _run_post_backward(s)
                 elif not s.requires_gradient_sync:  # e.g. the root, whose inputs need no grad
                     for g in s.groups:
                         if g.requires_grad:
                             g.accumulate_unsynced()
+                    if s.subclass is not None:
+                        s.subclass.accumulate_unsynced()
             ctx.buckets.flush()  # buckets whose last planned member never came are issued as they are
             ctx.buckets.end_backward()
             if ctx.root.is_last_backward:  # else (set_is_last_backward(False)) they stay in flight
                 ctx.buckets.complete_all()
                 _drain(ctx, keep=0)
+                for s in ctx.states:
+                    if s.subclass is not None:
+                        s.subclass.finish_reduce()
                 # CPU offload: the copies into host memory end before backward() returns (the
                 # host reads the gradients next), the copies out of it before the host writes.
                 for s in ctx.states:
@@ -614,6 +646,9 @@ def reset(ctx: RootContext) -> None:
     for s in ctx.states:
         for g in s.groups:
             g.abort(ctx.allocator)
+        if s.subclass is not None:
+            s.subclass.abort_reduce()
+            s.subclass.drop_unsharded_grads()
         for g, h in s.pending_unshard:
             if not h.settle():
                 g.abandon_gather(f"the {h.label or 'all-gather'} failed and may still be running")

@@ -109,6 +109,8 @@ class FSDPState(FSDP2StateNames):
         self.forward_hook_handles: list = []
         # FSDP2's group object for this unit, made at the first read of _fsdp_param_group(s).
         self.fsdp2_view = None
+        # Parameters with FSDP2's all-gather extension (mfsdp2.groups.subclass_gather.SubclassUnit), or None.
+        self.subclass = None
 
     def __repr__(self) -> str:
         return f"FSDPState({self.name!r}, {self.shard_state.value}, {self.training_state.value})"

@@ -99,6 +99,10 @@ EXPECTED = {
     "E60": (UnsupportedOptimizerError,
             "torch.optim.Adafactor cannot step sharded parameter 'inp.weight' of unit 'root'"),
     "E61": (DuplicateParameterError, "SGD holds parameter 'head.bias' of unit 'root' 2 times"),
+    "E62": (ValueError, "the all-gather extension needs both fsdp_pre_all_gather and fsdp_post_all_gather"),
+    "E63": (TypeError, "FSDP2's protocol calls it as fsdp_pre_all_gather(mesh) or fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)"),
+    "E64": (ValueError, "not the sizes and dtypes of its first gather"),
+    "E65": (ValueError, "which mfsdp2 supports for ZeRO-3 units on a 1-D mesh; this one gathers it once per step and keeps it"),
 }
 
 
@@ -109,6 +113,59 @@ def _capture(out: dict, row: str, fn) -> None:
         out[row] = (type(e).__name__, str(e))
     else:
         out[row] = (None, "no error raised")
+
+
+def _gathered_classes():
+    """Wrapper subclasses (torchao's int8 mixed-precision weight, whose ops keep the subclass)
+    with FSDP2's all-gather extension of a wrong kind: a two-argument ``fsdp_pre_all_gather``
+    (E63) and one whose inputs change dtype at the second gather (E64)."""
+    from torchao.prototype.quantized_training import Int8MixedPrecisionTrainingLinearWeight as Weight
+
+    class TwoArgPre(Weight):
+        def fsdp_pre_all_gather(self, mesh, module):
+            return (self._data,), (self.config,)
+
+    class Changing(Weight):
+        calls = 0
+
+        def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
+            Changing.calls += 1
+            return ((self._data if Changing.calls == 1 else self._data.double()),), (self.config,)
+
+    return Weight, TwoArgPre, Changing
+
+
+class _OnlyPre(torch.Tensor):
+    def fsdp_pre_all_gather(self, mesh):
+        return (self.as_subclass(torch.Tensor),), None
+
+
+def _with_weight(make) -> nn.Module:
+    m = nn.Linear(4, 4)
+    m.weight = nn.Parameter(make(m.weight.detach()))
+    return m
+
+
+def _subclass_rows(out: dict, mesh) -> None:
+    """E62-E65: parameters whose tensor subclass carries (part of) FSDP2's all-gather extension."""
+    from torchao.prototype.quantized_training import Int8MixedPrecisionTrainingConfig
+
+    from mfsdp2 import fully_shard
+
+    Weight, TwoArgPre, Changing = _gathered_classes()
+    cfg = Int8MixedPrecisionTrainingConfig()
+    _capture(out, "E62", lambda: fully_shard(_with_weight(lambda w: w.as_subclass(_OnlyPre)), mesh=mesh))
+    two = fully_shard(_with_weight(lambda w: TwoArgPre(w, cfg)), mesh=mesh)
+    _capture(out, "E63", two.unshard)
+    changing = fully_shard(_with_weight(lambda w: Changing(w, cfg)), mesh=mesh)
+
+    def twice():
+        changing.unshard()
+        changing.reshard()
+        changing.unshard()
+
+    _capture(out, "E64", twice)
+    _capture(out, "E65", lambda: fully_shard(_with_weight(lambda w: Weight(w, cfg)), mesh=mesh, sharding_strategy="optim_grads"))
 
 
 def _sharded_net(mesh, **root_kw):
@@ -228,6 +285,7 @@ def _rows_ws1(rank, ws):
     _capture(out, "E42", lambda: MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16))
 
     _capture(out, "E44", lambda: fully_shard(nn.LazyLinear(3), mesh=mesh))
+    _subclass_rows(out, mesh)
     _capture(out, "E45", lambda: fully_shard(nn.ModuleList([nn.Linear(3, 3)]), mesh=mesh))
     from torch.distributed.tensor import Shard
 
