@@ -18,7 +18,7 @@ hooks do to its allocator (see ``hooks.py``, ``grad_reduction.py``, ``grad_bucke
   post-backward frees the weights, finishes the previous reduction (one in flight: FSDP2's
   default), allocates the flat gradient (reduce dtype) while autograd's gradients are still
   alive, then the main gradient (the first reduction after ``zero_grad`` writes straight into
-  it) or a reduce-scatter output, and the gloo point-to-point receive scratch. Groups whose
+  it) or a reduce-scatter output, and the gloo receive scratch (point-to-point or all-to-all). Groups whose
   reduction is a whole all-reduce (no_shard, ZeRO-1's small groups, ZeRO-2/3's below 256 KiB at
   two gloo ranks) pack into buckets instead: one bucket per group in the first backward, then the
   recorded order cut at the bucket cap, at most two in flight.
@@ -284,8 +284,10 @@ class _Sim:
                         self.alloc(("rs_out", u, g.index), g.S, g.reduce_dtype)
                     out = not direct
                     nbytes = g.total * _itemsize(g.reduce_dtype)
-                    if self.cfg.backend == "gloo" and self.cfg.shard_world > 2 and nbytes >= SMALL_REDUCE_SCATTER_BYTES:
-                        self.alloc(("rs_recv", u, g.index), (self.cfg.shard_world - 2) * g.S, g.reduce_dtype)
+                    if self.cfg.backend == "gloo" and self.cfg.shard_world > 2:
+                        # receive scratch: point-to-point (n - 2 chunks), all-to-all below the threshold (n)
+                        n = self.cfg.shard_world - 2 if nbytes >= SMALL_REDUCE_SCATTER_BYTES else self.cfg.shard_world
+                        self.alloc(("rs_recv", u, g.index), n * g.S, g.reduce_dtype)
                 self.pending[(u, g.index)] = {"out": out}
                 issued = True
         self.act -= grads
