@@ -102,8 +102,10 @@ def shard_dims(
     """The dimension each parameter is sharded on, from FSDP2's ``shard_placement_fn``: ``None``
     and ``Shard(0)`` give 0, ``Shard(d)`` (``d`` may be negative) gives ``d``. Refused, naming the
     parameter: a dimension the parameter does not have (FSDP2's ``AssertionError`` type, reported
-    first, as FSDP2 checks it first), any other placement (per-parameter meshes,
-    ``_StridedShard``), and ``Shard(d != 0)`` for a tensor-parallel parameter. ``shards``: False
+    first, as FSDP2 checks it first), any other placement (``_StridedShard``, ``Replicate``), and
+    ``Shard(d != 0)`` for a tensor-parallel parameter. A ``ShardPlacementResult``'s mesh is
+    resolved before (:mod:`mfsdp2.frontend.param_meshes`): ``shard_placement_fn`` here answers its
+    placement. ``shards``: False
     for ``no_shard``, where every parameter stays whole and the answers are not used."""
     if shard_placement_fn is None:
         return [0] * len(params)
@@ -123,8 +125,9 @@ def shard_dims(
         if not plain[i]:
             raise ValueError(
                 f"mfsdp2: shard_placement_fn returned {r!r} for parameter {fqns[i]!r} of {where}; mfsdp2 "
-                "shards each parameter over the unit's mesh on one dimension: return Shard(d) or None "
-                "(per-parameter meshes and strided placements are not supported)"
+                "shards each parameter over a mesh on one dimension: return Shard(d) or None "
+                "(on the unit's mesh), or ShardPlacementResult(Shard(d), mesh_info) for a mesh of its own "
+                "(strided and replicated placements are not supported)"
             )
     dims = [0 if r is None else r.dim % max(p.dim(), 1) for p, r in zip(params, answers)]
     for i, d in enumerate(dims):
