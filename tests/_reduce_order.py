@@ -42,9 +42,11 @@ def _fold(terms: list) -> torch.Tensor:
 
 
 class RankOrderReduceScatter(ReduceScatter):
-    """Reduce-scatter (SUM or AVG) with each element summed in rank order."""
+    """Reduce-scatter (SUM or AVG) with each element summed in rank order; records calls into
+    ``records`` as :class:`GlooReduceScatter` does."""
 
-    records = None  # never records (see GlooReduceScatter)
+    def __init__(self):
+        self.records: Optional[list] = None
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -58,6 +60,9 @@ class RankOrderReduceScatter(ReduceScatter):
         if op == dist.ReduceOp.AVG:
             out = out / n
         output_tensor.copy_(out.view_as(output_tensor))
+        if self.records is not None:
+            self.records.append((tuple(dist.get_process_group_ranks(group)), input_tensor.detach().clone(),
+                                 output_tensor.detach().clone()))
         return None
 
 

@@ -136,6 +136,7 @@ class Result:
     comm: list = field(default_factory=list)  # mfsdp2 runs: comm_stats of each step
     compiled_graphs: int = 0  # graphs dynamo compiled during the run
     reductions: list = field(default_factory=list)  # Run.record_reductions: step 1's (ranks, input, output)
+    placements: dict = field(default_factory=dict)  # {name: (mesh dim names, placements)} after the build
     error: Optional[str] = None
 
 
@@ -205,6 +206,9 @@ def _quiet() -> None:
     for category in (UserWarning, FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=r"(torchtitan|torchdata|torch)(\.|$)")
     torch._logging.set_logs(dynamo=logging.ERROR)
+    # the observation's full_tensor() of a gradient on a 2-D (ep, efsdp) mesh gathers one dim at a
+    # time, which DTensor logs as suboptimal for every call
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def _fsdp2_fully_shard(reduce_scatter):
@@ -354,6 +358,10 @@ def _train(root: str, run: Run) -> Result:
     res = Result()
     trainer = _config(root, run).build()
     model = trainer.model_parts[0]
+    res.placements = {
+        n: (tuple(p.device_mesh.mesh_dim_names or ()), tuple(p.placements)) for n, p in model.named_parameters()
+        if hasattr(p, "placements")
+    }
     try:
         log = trainer.metrics_processor.log
 
