@@ -335,7 +335,7 @@ def fully_shard(
             specs[id(p)] = tp_spec_of(p, meshes[i].mesh, fqns[i], type(modules[0]).__name__)
     dims = shard_dims((lambda p, _answers={id(q): pl.placement for q, pl in zip(params, placements)}: _answers[id(p)])
                       if shard_placement_fn is not None else None, fqns, params, where,
-                      topology.shard_dim is not None, [id(p) in specs for p in params])
+                      topology.shard_dim is not None, [specs.get(id(p)) for p in params])
     if partial_k is not None:
         if len({m.key for m in meshes}) > 1:
             raise ValueError(

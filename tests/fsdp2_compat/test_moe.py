@@ -7,11 +7,10 @@ float64, in one launch, each scenario run by mfsdp2 and by FSDP2 on the same mod
   of a (efsdp, ep) mesh, and ``shard_placement_fn`` returns ``ShardPlacementResult(Shard(0),
   FSDPMeshInfo(mesh["efsdp"]))`` for them (as torchtitan), the rest ``Shard(0)`` over a 1-D mesh
   of all four ranks: two parameter groups with their own communicators in every block.
+* ``ep2_shard1``: as ``ep2`` with the experts ``Shard(1)`` over ``efsdp`` (torchtitan's choice
+  with more expert-sharding ranks than experts): dim 1 of each rank's local experts.
 * ``hsdp``: no expert parallelism; the experts over a 2-D (replicate, shard) mesh of their own
-  (``HSDPMeshInfo``), the rest over the 1-D mesh. (``Shard(1)`` experts are torchtitan's test's:
-  their gathered weight is a strided view, whose matmul backward adds in another order than on
-  FSDP2's contiguous copy, so a float64 comparison there is within ``REL_F64``, as in
-  ``test_shard_dim.py``; this test compares bit for bit.)
+  (``HSDPMeshInfo``), the rest over the 1-D mesh.
 
 In both, the router **starves one expert on some ranks** (``expert_bias = -inf`` there): in
 ``hsdp`` expert 3 gets no token on rank 1; in ``ep2`` none from ranks 0 and 1, so rank 0,
@@ -19,7 +18,10 @@ which holds expert 3, computes it on no token at all. Its weights then get a zer
 and every rank issues the same collectives (counted), with no error and no skipped reduction.
 
 What is compared: losses, parameters after three AdamW steps and every optimizer state, bit for
-bit with FSDP2 -- whose reduce-scatters sum in rank order as mfsdp2's do
+bit with FSDP2 (``ep2_shard1``: within ``REL_F64``; a ``Shard(1)`` weight's gathered parameter is
+a strided view of the gathered buffer, and torch's matmul backward picks its formula by the
+weight's layout, so its sums run in another order than on FSDP2's contiguous copy, as in
+``test_shard_dim.py``) -- whose reduce-scatters sum in rank order as mfsdp2's do
 (``tests/_reduce_order.py``; above two ranks gloo's own order depends on the layout) -- and within
 ``REL_F64`` of the unsharded float64 model, which runs each rank's batch with that rank's router
 and applies FSDP2's gradient divide factor **per mesh**: the size of each parameter's own
@@ -65,7 +67,11 @@ pytestmark = pytest.mark.slow
 WS, STEPS, B, S = 4, 3, 2, 8
 F64 = torch.float64
 STARVED = 3  # the expert some ranks' routers never pick (layer 0)
-SCENARIOS = {"ep2": {"starve": (0, 1), "expert_factor": 2}, "hsdp": {"starve": (1,), "expert_factor": 4}}
+SCENARIOS = {
+    "ep2": {"starve": (0, 1), "expert_factor": 2, "exact": True},
+    "hsdp": {"starve": (1,), "expert_factor": 4, "exact": True},
+    "ep2_shard1": {"starve": (0, 1), "expert_factor": 2, "exact": False},
+}
 
 
 def _cfg() -> MoEConfig:
@@ -96,9 +102,10 @@ def _loss(model, tokens: torch.Tensor) -> torch.Tensor:
 
 def _meshes(scenario: str):
     dense = init_device_mesh("cpu", (WS,), mesh_dim_names=("dp",))
-    if scenario == "ep2":
+    if scenario.startswith("ep2"):
         sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
-        return dense, sparse["ep"], FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0), 2
+        # torchtitan's Shard(1): more expert-sharding ranks than experts (asked as if so here)
+        return dense, sparse["ep"], FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0), 2 if scenario == "ep2" else 100
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
     return dense, None, HSDPMeshInfo(hsdp, shard_mesh_dim=1, replicate_mesh_dim=0), WS
 
@@ -107,7 +114,7 @@ def _shard(model, scenario: str, impl: str):
     dense, ep_mesh, edp_info, shard_ranks = _meshes(scenario)
     if ep_mesh is not None:
         parallelize_experts(model, ep_mesh)
-    fn = expert_shard_placement_fn(model, edp_info, shard_ranks=shard_ranks)  # 8 experts: Shard(0)
+    fn = expert_shard_placement_fn(model, edp_info, shard_ranks=shard_ranks)
     shard = mfsdp2.fully_shard if impl == "mfsdp2" else torch_fully_shard
     for block in model.layers:
         shard(block, mesh=dense, shard_placement_fn=fn)
@@ -173,11 +180,15 @@ def _dsd_checks(rank: int, scenario: str, ours: dict, ref: dict, folder: str) ->
     osd = {k: get_optimizer_state_dict(r["model"], r["optim"], options=sharded) for k, r in models.items()}
     key = "layers.0.moe.experts.w1"
     out = {"spec": (tuple(msd["mfsdp2"][key].device_mesh.mesh_dim_names), tuple(msd["mfsdp2"][key].placements))}
+    same = _same if SCENARIOS[scenario]["exact"] else _close
     for k, v in msd["fsdp2"].items():
-        assert torch.equal(_full(msd["mfsdp2"][k]), _full(v)), k
+        same(_full(msd["mfsdp2"][k]), _full(v), k)
     for k, v in osd["fsdp2"]["state"].items():
         for s, t in v.items():
-            assert torch.equal(_full(osd["mfsdp2"]["state"][k][s]), _full(t)), (k, s)
+            if isinstance(t, torch.Tensor) and t.dim() == 0:
+                assert torch.equal(_full(osd["mfsdp2"]["state"][k][s]), _full(t)), (k, s)
+            else:
+                same(_full(osd["mfsdp2"]["state"][k][s]), _full(t), f"{k} {s}")
     fulls = {k: (get_model_state_dict(r["model"], options=full), get_optimizer_state_dict(r["model"], r["optim"], options=full))
              for k, r in models.items()}
     for src in models:  # DCP: each runtime's sharded state dicts, saved once
@@ -238,6 +249,14 @@ def _reference(scenario: str) -> tuple[list, dict]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _same(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
+    assert torch.equal(a, b), where
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
+    assert_close_rel(a, b, where, REL_F64)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return run_ranks(_rank, WS, str(tmp_path_factory.mktemp("moe_dcp")), timeout=600)
@@ -248,11 +267,12 @@ def test_moe_with_starved_expert_matches_fsdp2_and_unsharded(runs, scenario):
     ref_losses, ref_params = _reference(scenario)
     for rank, res in enumerate(runs):
         ours, theirs = res[scenario]["mfsdp2"], res[scenario]["fsdp2"]
-        assert ours["losses"] == theirs["losses"], rank
+        same = _same if SCENARIOS[scenario]["exact"] else _close
+        same(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), f"{scenario} rank {rank} losses")
         for name, v in theirs["params"].items():
-            assert torch.equal(ours["params"][name], v), f"{scenario} rank {rank} {name}"
+            same(ours["params"][name], v, f"{scenario} rank {rank} {name}")
             for k, s in theirs["opt"][name].items():
-                assert torch.equal(ours["opt"][name][k], s), f"{scenario} rank {rank} {name} {k}"
+                same(ours["opt"][name][k], s, f"{scenario} rank {rank} {name} {k}")
         for name, v in ref_params.items():
             assert_close_rel(ours["params"][name], v, f"{scenario} rank {rank} {name}", REL_F64)
         for step, loss in enumerate(ours["losses"]):
@@ -260,8 +280,8 @@ def test_moe_with_starved_expert_matches_fsdp2_and_unsharded(runs, scenario):
         # the same collectives on every rank, step by step (a starved expert skips nothing)
         assert ours["comm"] == runs[0][scenario]["mfsdp2"]["comm"], (scenario, rank)
     mesh, placements = runs[0][scenario]["mfsdp2"]["expert_spec"]
-    if scenario == "ep2":
-        assert mesh == ("ep", "efsdp") and placements[1].dim == 0
+    if scenario.startswith("ep2"):
+        assert mesh == ("ep", "efsdp") and placements[1].dim == (0 if scenario == "ep2" else 1)
     else:
         assert mesh == ("rep", "shard") and placements[1].dim == 0  # Replicate, RowShard(0)
 
@@ -278,6 +298,8 @@ def test_dsd_and_dcp_move_moe_state_between_fsdp2_and_mfsdp2(runs, scenario):
         assert len(routes) == 8, routes
         for route in routes:
             loss, params = dsd[route]
-            assert loss == want_loss, (scenario, rank, route)
+            # with Shard(1) experts FSDP2's state and steps differ in the last bits (see the top)
+            same = _same if SCENARIOS[scenario]["exact"] or "fsdp2" not in route else _close
+            same(torch.tensor(loss), torch.tensor(want_loss), f"{scenario} rank {rank} {route} loss")
             for name, v in want.items():
-                assert torch.equal(params[name], v), f"{scenario} rank {rank} {route} {name}"
+                same(params[name], v, f"{scenario} rank {rank} {route} {name}")

@@ -20,7 +20,9 @@ Configurations (one launch of four gloo ranks runs them all, from one seed check
   ``shard_placement_fn`` returns ``ShardPlacementResult`` -- experts over ``efsdp``, the rest over
   ``fsdp`` (per-parameter meshes in one unit); fused AdamW; DCP save at step 2 and resume in all
   three directions (mfsdp2 from mfsdp2, mfsdp2 from FSDP2, FSDP2 from mfsdp2), and the expert
-  parallel 2 checkpoint resumed at expert parallel 1 by each runtime (resharding the experts).
+  parallel 2 checkpoint resumed at expert parallel 1 by each runtime (resharding the experts);
+* expert parallel 2, 2 experts: one per rank, ``Shard(1)`` over ``efsdp`` (torchtitan's choice
+  with more expert-sharding ranks than experts); foreach AdamW.
 
 **The reference sums its reduce-scatters in rank order.** Above two ranks the two runtimes add a
 gradient's per-rank terms in different orders: gloo's ``reduce_scatter_tensor`` (FSDP2's call) is
@@ -78,6 +80,8 @@ RUNS = [
         resume_from="fsdp2_ep2", resume_step=SAVE),
     _fsdp2("fsdp2_ep2_from_mfsdp2", experts=8, ep=2, optimizer="fused", steps=STEPS,
            resume_from="mfsdp2_ep2", resume_step=SAVE),
+    _fsdp2("fsdp2_ep2_s1", experts=2, ep=2, steps=3),
+    Run("mfsdp2_ep2_s1", "mfsdp2", experts=2, ep=2, steps=3),
     Run("mfsdp2_ep1_from_ep2", "mfsdp2", experts=8, optimizer="fused", steps=STEPS,
         resume_from="mfsdp2_ep2", resume_step=SAVE),
     _fsdp2("fsdp2_ep1_from_ep2", experts=8, optimizer="fused", steps=STEPS, resume_from="fsdp2_ep2", resume_step=SAVE),
@@ -183,6 +187,14 @@ def test_ep2_per_parameter_meshes_match_fsdp2(results):
     dense = "layers.0.attention.wo.weight"
     assert ours.placements[dense][0] == ref.placements[dense][0] == ("fsdp",)
     assert set(ref.placements[EXPERT][0]) == {"ep", "efsdp"}
+    _same_run(ours, ref)
+
+
+def test_ep2_shard1_experts_match_fsdp2(results):
+    """One expert per expert-parallel rank, its weights ``Shard(1)`` over ``efsdp``."""
+    ours, ref = _ok(results, "mfsdp2_ep2_s1", "fsdp2_ep2_s1")
+    mesh, (ep_pl, dp_pl) = ours.placements[EXPERT]
+    assert mesh == ("ep", "efsdp") and ep_pl == Shard(0) and isinstance(dp_pl, RowShard) and dp_pl.dim == 1
     _same_run(ours, ref)
 
 
