@@ -336,13 +336,14 @@ def fully_shard(
     dims = shard_dims((lambda p, _answers={id(q): pl.placement for q, pl in zip(params, placements)}: _answers[id(p)])
                       if shard_placement_fn is not None else None, fqns, params, where,
                       topology.shard_dim is not None, [specs.get(id(p)) for p in params])
+    n_meshes = len({m.key for m in meshes})
+    if is_int and n_meshes > 1:
+        raise ValueError(
+            f"mfsdp2: reshard_after_forward={k} (an int) for {where}, whose parameters are sharded over {n_meshes} "
+            "meshes (shard_placement_fn); a partial reshard keeps blocks of one mesh's ranks, which the other "
+            "meshes do not have: pass reshard_after_forward=True or False"
+        )
     if partial_k is not None:
-        if len({m.key for m in meshes}) > 1:
-            raise ValueError(
-                f"mfsdp2: reshard_after_forward={partial_k} for {where}, whose parameters are sharded over "
-                f"{len({m.key for m in meshes})} meshes (shard_placement_fn); a partial reshard keeps blocks of one "
-                "mesh's ranks: pass reshard_after_forward=True or False"
-            )
         post_forward_comm = comm.subgroup(partial_k)  # collective: all ranks create the groups together
     # Tied to a parameter a wrapped child sharded: take it over (for a list, the child must be
     # inside the first module; anything else is refused with advice).
