@@ -188,13 +188,13 @@ class _Sim:
         if to_group:
             k = int(self.cfg.reshard_after_forward)
             self.partial[u] = True
-            self.extra += sum(self.cfg.shard_world // k * g.S * _itemsize(g.compute_dtype) for g in self.plans[u].groups)
+            self.extra += sum(g.world // k * g.S * _itemsize(g.compute_dtype) for g in self.plans[u].groups)
         elif self.partial[u]:
             self._drop_kept(u)
 
     def _drop_kept(self, u: int) -> None:
         k = int(self.cfg.reshard_after_forward)
-        self.extra -= sum(self.cfg.shard_world // k * g.S * _itemsize(g.compute_dtype) for g in self.plans[u].groups)
+        self.extra -= sum(g.world // k * g.S * _itemsize(g.compute_dtype) for g in self.plans[u].groups)
         self.partial[u] = False
 
     def _raf(self, u: int):
@@ -206,8 +206,8 @@ class _Sim:
         full_grads = not cfg.strategy.shards_grads
         if cfg.bucket_cap_bytes <= 0:
             return False
-        if cfg.shard_world > 1:
-            if cfg.replicate_world > 1 or not (full_grads or cfg.shard_world == 2):
+        if g.world > 1:
+            if cfg.replicate_world > 1 or not (full_grads or g.world == 2):
                 return False
             nbytes = g.total * _itemsize(g.reduce_dtype)
             return cfg.backend == "gloo" and nbytes < SMALL_REDUCE_SCATTER_BYTES
@@ -280,13 +280,13 @@ class _Sim:
                     direct = self._direct(g) and (u, g.index) not in self.main_grad
                     if direct:
                         self.ensure_main_grad(u, g)
-                    elif self.cfg.shard_world > 1 or self.cfg.strategy.shards_grads:
+                    elif g.world > 1 or self.cfg.strategy.shards_grads:
                         self.alloc(("rs_out", u, g.index), g.S, g.reduce_dtype)
                     out = not direct
                     nbytes = g.total * _itemsize(g.reduce_dtype)
-                    if self.cfg.backend == "gloo" and self.cfg.shard_world > 2:
+                    if self.cfg.backend == "gloo" and g.world > 2:
                         # receive scratch: point-to-point (n - 2 chunks), all-to-all below the threshold (n)
-                        n = self.cfg.shard_world - 2 if nbytes >= SMALL_REDUCE_SCATTER_BYTES else self.cfg.shard_world
+                        n = g.world - 2 if nbytes >= SMALL_REDUCE_SCATTER_BYTES else g.world
                         self.alloc(("rs_recv", u, g.index), n * g.S, g.reduce_dtype)
                 self.pending[(u, g.index)] = {"out": out}
                 issued = True

@@ -11,6 +11,8 @@ shared SwiGLU expert.
   matmul: its weights get a zero gradient, so every rank reduces the same parameters.
 * The router adds ``expert_bias`` (a buffer, per rank, used for selection only, as torchtitan's
   load-balancing bias) to the scores before the top-k: ``-inf`` there starves an expert.
+* Under fake tensors (a memory estimate's shapes-only step) the routing is taken as balanced:
+  token counts are data.
 * Expert parallelism (:func:`parallelize_experts`): the expert weights become DTensors
   ``Shard(0)`` on an expert-parallel mesh and tokens are exchanged with two autograd-aware
   ``all_to_all_single`` calls (dispatch, combine), as torchtitan's ``AllToAllTokenDispatcher``.
@@ -130,6 +132,12 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
@@ -169,8 +177,14 @@ class MoE(nn.Module):
         ids, weights = self.router(flat)
         chosen = ids.flatten()
         order = torch.argsort(chosen, stable=True)
-        counts = torch.bincount(chosen, minlength=self.experts_n)
-        routed = self._run_experts(flat[order // self.top_k], counts)
+        if _is_fake(chosen):
+            # Shapes only (mfsdp2.estimate_memory's fake-tensor step): token counts are data, so
+            # the routing is taken as balanced, every expert on this rank (no exchange).
+            n, e = chosen.numel(), self.experts_n
+            routed = self.experts(flat[order // self.top_k], [n // e + (i < n % e) for i in range(e)])
+        else:
+            counts = torch.bincount(chosen, minlength=self.experts_n)
+            routed = self._run_experts(flat[order // self.top_k], counts)
         unsorted = torch.zeros_like(routed).index_copy(0, order, routed)
         out = (unsorted.view(-1, self.top_k, dim) * weights.unsqueeze(-1)).sum(1)
         if self.shared is not None:

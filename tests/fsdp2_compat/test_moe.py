@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor
 
 import mfsdp2
 from mfsdp2.comm.communicator import comm_stats
-from mfsdp2.models.moe import MoEConfig, MoETransformer, expert_shard_placement_fn, parallelize_experts
+from mfsdp2.models.moe import MoEBlock, MoEConfig, MoETransformer, expert_shard_placement_fn, parallelize_experts
 
 from .._dist import run_ranks
 from .._reduce_order import RankOrderReduceScatter
@@ -149,6 +149,11 @@ def _train(rank: int, scenario: str, impl: str) -> dict:
     out = {"losses": losses, "comm": comm, "params": {n: _full(p) for n, p in model.named_parameters()}}
     expert = model.layers[0].moe.experts.w1
     out["expert_spec"] = (tuple(expert.device_mesh.mesh_dim_names), tuple(expert.placements))
+    if impl == "mfsdp2":
+        out["describe"] = mfsdp2.describe(model)
+        states = {id(s): s for s in map(mfsdp2.fully_shard.state, model.modules()) if s is not None}
+        out["groups"] = sorted((s.name, g.comm.world_size, g.layout.shard_numel, g.layout.total_numel)
+                               for s in states.values() for g in s.groups)
     out["opt"] = {n: {k: _full(v) for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
     out["model"], out["optim"] = model, opt
     return out
@@ -249,6 +254,22 @@ def _reference(scenario: str) -> tuple[list, dict]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("scenario", ["ep2", "ep2_shard1"])
+def test_estimate_memory_plans_the_runtime_groups(runs, scenario):
+    """``estimate_memory`` with ``experts=`` / ``expert_parallel=2`` plans each block's two groups
+    (dense over 4 ranks, local experts over 2) as the runtime built them: world sizes, shard and
+    total elements."""
+    with torch.device("meta"):
+        model = MoETransformer(_cfg()).to(F64)  # the runs' dtype: the layout aligns to 16 bytes of it
+    is_expert = lambda fqn, p: ".moe.experts." in fqn  # noqa: E731
+    dim = 1 if scenario == "ep2_shard1" else 0
+    est = mfsdp2.estimate_memory(model, units=MoEBlock, mesh_shape=WS, experts=is_expert, expert_parallel=2,
+                                 shard_dims=lambda fqn, p: dim if is_expert(fqn, p) else 0, mp_policy=None)
+    planned = sorted((u["name"], g["world"], g["shard_numel"], g["total_numel"]) for u in est.units for g in u["groups"])
+    assert planned == runs[0][scenario]["mfsdp2"]["groups"]
+    assert any(w == 2 for _, w, _, _ in planned) and any(w == WS for _, w, _, _ in planned)
+
+
 def _same(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
     assert torch.equal(a, b), where
 
@@ -280,10 +301,14 @@ def test_moe_with_starved_expert_matches_fsdp2_and_unsharded(runs, scenario):
         # the same collectives on every rank, step by step (a starved expert skips nothing)
         assert ours["comm"] == runs[0][scenario]["mfsdp2"]["comm"], (scenario, rank)
     mesh, placements = runs[0][scenario]["mfsdp2"]["expert_spec"]
+    text = runs[0][scenario]["mfsdp2"]["describe"]  # mfsdp2.describe: each block's two meshes
+    assert "layers.0" in text and "dp=4" in text, text
     if scenario.startswith("ep2"):
         assert mesh == ("ep", "efsdp") and placements[1].dim == (0 if scenario == "ep2" else 1)
+        assert "efsdp=2 / ep=2" in text, text
     else:
         assert mesh == ("rep", "shard") and placements[1].dim == 0  # Replicate, RowShard(0)
+        assert "rep=2xshard=2" in text and "hsdp" in text, text
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
