@@ -27,7 +27,8 @@ weight's layout, so its sums run in another order than on FSDP2's contiguous cop
 and applies FSDP2's gradient divide factor **per mesh**: the size of each parameter's own
 data-parallel mesh (4 for the dense parameters and for the HSDP experts, 2 for the experts sharded
 over ``efsdp``, whose gradient is then twice the mean: FSDP2's, which torchtitan replaces by its
-own factor). Then torch's DSD state dicts: every expert entry is a DTensor on its own mesh, each side's full
+own factor). ``mfsdp2.clip_grad_norm_`` gives the total norm of the full gradients over both
+meshes' groups. Then torch's DSD state dicts: every expert entry is a DTensor on its own mesh, each side's full
 tensors equal the other's, and each runtime's model and optimizer state load into a fresh model
 of either runtime as full state dicts and through DCP: every route then takes the trained mfsdp2
 run's own next step, bit for bit.
@@ -135,7 +136,7 @@ def _full(t):
 def _train(rank: int, scenario: str, impl: str) -> dict:
     model = _shard(_model(), scenario, impl)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses, comm = [], []
+    losses, comm, norms = [], [], []
     for step in range(STEPS):
         _starve(model, rank, SCENARIOS[scenario]["starve"])
         comm_stats.reset()
@@ -143,10 +144,13 @@ def _train(rank: int, scenario: str, impl: str) -> dict:
         loss.backward()
         comm.append(comm_stats.as_dict())
         assert all(p.grad is not None for p in model.parameters()), "a parameter without .grad"
+        if impl == "mfsdp2":  # the total norm over both meshes' groups, against the full gradients'
+            norms.append((mfsdp2.clip_grad_norm_(model.parameters(), 1e9).item(),
+                          torch.stack([_full(p.grad).norm() for p in model.parameters()]).norm().item()))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    out = {"losses": losses, "comm": comm, "params": {n: _full(p) for n, p in model.named_parameters()}}
+    out = {"losses": losses, "comm": comm, "norms": norms, "params": {n: _full(p) for n, p in model.named_parameters()}}
     expert = model.layers[0].moe.experts.w1
     out["expert_spec"] = (tuple(expert.device_mesh.mesh_dim_names), tuple(expert.placements))
     if impl == "mfsdp2":
@@ -298,6 +302,8 @@ def test_moe_with_starved_expert_matches_fsdp2_and_unsharded(runs, scenario):
             assert_close_rel(ours["params"][name], v, f"{scenario} rank {rank} {name}", REL_F64)
         for step, loss in enumerate(ours["losses"]):
             assert abs(loss - ref_losses[step][rank]) <= REL_F64 * abs(loss), (scenario, rank, step)
+        for ours_norm, full_norm in ours["norms"]:  # mfsdp2.clip_grad_norm_ across meshes
+            assert abs(ours_norm - full_norm) <= REL_F64 * full_norm, (scenario, rank, ours_norm, full_norm)
         # the same collectives on every rank, step by step (a starved expert skips nothing)
         assert ours["comm"] == runs[0][scenario]["mfsdp2"]["comm"], (scenario, rank)
     mesh, placements = runs[0][scenario]["mfsdp2"]["expert_spec"]
