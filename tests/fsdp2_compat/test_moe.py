@@ -11,8 +11,12 @@ float64, in one launch, each scenario run by mfsdp2 and by FSDP2 on the same mod
   with more expert-sharding ranks than experts): dim 1 of each rank's local experts.
 * ``hsdp``: no expert parallelism; the experts over a 2-D (replicate, shard) mesh of their own
   (``HSDPMeshInfo``), the rest over the 1-D mesh.
+* ``hsdp_skip``: as ``hsdp`` with Hugging Face's expert layout -- a module per expert, not called
+  without tokens, so a starved expert's weights get *no* gradient on that rank: both runtimes run
+  with ``set_reduce_scatter_unused_params(True)`` (FSDP2's requirement for ranks that use
+  different parameters), which mfsdp2 agrees on per mesh.
 
-In both, the router **starves one expert on some ranks** (``expert_bias = -inf`` there): in
+In all, the router **starves one expert on some ranks** (``expert_bias = -inf`` there): in
 ``hsdp`` expert 3 gets no token on rank 1; in ``ep2`` none from ranks 0 and 1, so rank 0,
 which holds expert 3, computes it on no token at all. Its weights then get a zero local gradient
 and every rank issues the same collectives (counted), with no error and no skipped reduction.
@@ -41,6 +45,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
@@ -52,11 +57,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
+from torch.distributed.tensor import DTensor, Shard
 
 import mfsdp2
 from mfsdp2.comm.communicator import comm_stats
+from mfsdp2.models.llama import FeedForward
 from mfsdp2.models.moe import MoEBlock, MoEConfig, MoETransformer, expert_shard_placement_fn, parallelize_experts
 
 from .._dist import run_ranks
@@ -72,6 +78,7 @@ SCENARIOS = {
     "ep2": {"starve": (0, 1), "expert_factor": 2, "exact": True},
     "hsdp": {"starve": (1,), "expert_factor": 4, "exact": True},
     "ep2_shard1": {"starve": (0, 1), "expert_factor": 2, "exact": False},
+    "hsdp_skip": {"starve": (1,), "expert_factor": 4, "exact": True},
 }
 
 
@@ -79,9 +86,30 @@ def _cfg() -> MoEConfig:
     return MoEConfig.tiny()
 
 
-def _model() -> MoETransformer:
+class SkippingExperts(nn.Module):
+    """Hugging Face's layout (Mixtral, Qwen-MoE): a module per expert, not called for an expert
+    without tokens, whose weights then get no gradient on that rank."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(FeedForward(cfg.dim, cfg.expert_dim) for _ in range(cfg.experts))
+
+    def forward(self, x: torch.Tensor, counts: list) -> torch.Tensor:
+        out, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                out.append(self.experts[e](x[start : start + n]))
+            start += n
+        return torch.cat(out)
+
+
+def _model(scenario: str = "") -> MoETransformer:
     torch.manual_seed(0)
-    return MoETransformer(_cfg()).to(F64)
+    model = MoETransformer(_cfg())
+    if scenario == "hsdp_skip":
+        for layer in model.layers:
+            layer.moe.experts = SkippingExperts(_cfg())
+    return model.to(F64)
 
 
 def _tokens(step: int, rank: int) -> torch.Tensor:
@@ -116,10 +144,17 @@ def _shard(model, scenario: str, impl: str):
     if ep_mesh is not None:
         parallelize_experts(model, ep_mesh)
     fn = expert_shard_placement_fn(model, edp_info, shard_ranks=shard_ranks)
+    if scenario == "hsdp_skip":  # every expert module's weights over the HSDP mesh
+        experts = {id(p) for n, p in model.named_parameters() if ".moe.experts." in n}
+
+        def fn(p):
+            return ShardPlacementResult(placement=Shard(0), mesh_info=edp_info) if id(p) in experts else None
     shard = mfsdp2.fully_shard if impl == "mfsdp2" else torch_fully_shard
     for block in model.layers:
         shard(block, mesh=dense, shard_placement_fn=fn)
     shard(model, mesh=dense)
+    if scenario == "hsdp_skip":  # ranks use different parameters: agree on which got a gradient
+        model.set_reduce_scatter_unused_params(True)
     if impl == "fsdp2":
         rank_order = RankOrderReduceScatter()
         for m in model.modules():
@@ -134,24 +169,28 @@ def _full(t):
 
 
 def _train(rank: int, scenario: str, impl: str) -> dict:
-    model = _shard(_model(), scenario, impl)
+    model = _shard(_model(scenario), scenario, impl)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses, comm, norms = [], [], []
+    losses, comm, norms, out_none = [], [], [], []
     for step in range(STEPS):
         _starve(model, rank, SCENARIOS[scenario]["starve"])
         comm_stats.reset()
         loss = _loss(model, _tokens(step, rank))
         loss.backward()
         comm.append(comm_stats.as_dict())
-        assert all(p.grad is not None for p in model.parameters()), "a parameter without .grad"
+        if scenario != "hsdp_skip":  # a skipped expert no rank routed to keeps no .grad, as unsharded
+            assert all(p.grad is not None for p in model.parameters()), "a parameter without .grad"
+        else:
+            out_none.append(sorted(n for n, p in model.named_parameters() if p.grad is None))
         if impl == "mfsdp2":  # the total norm over both meshes' groups, against the full gradients'
             norms.append((mfsdp2.clip_grad_norm_(model.parameters(), 1e9).item(),
-                          torch.stack([_full(p.grad).norm() for p in model.parameters()]).norm().item()))
+                          torch.stack([_full(p.grad).norm() for p in model.parameters() if p.grad is not None]).norm().item()))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    out = {"losses": losses, "comm": comm, "norms": norms, "params": {n: _full(p) for n, p in model.named_parameters()}}
-    expert = model.layers[0].moe.experts.w1
+    out = {"losses": losses, "comm": comm, "norms": norms, "no_grad": out_none,
+           "params": {n: _full(p) for n, p in model.named_parameters()}}
+    expert = next(p for n, p in model.named_parameters() if n.startswith("layers.0.moe.experts."))
     out["expert_spec"] = (tuple(expert.device_mesh.mesh_dim_names), tuple(expert.placements))
     if impl == "mfsdp2":
         out["describe"] = mfsdp2.describe(model)
@@ -164,7 +203,7 @@ def _train(rank: int, scenario: str, impl: str) -> dict:
 
 
 def _fresh(scenario: str, impl: str):
-    model = _shard(_model(), scenario, impl)
+    model = _shard(_model(scenario), scenario, impl)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -187,7 +226,7 @@ def _dsd_checks(rank: int, scenario: str, ours: dict, ref: dict, folder: str) ->
     models = {"mfsdp2": ours, "fsdp2": ref}
     msd = {k: get_model_state_dict(r["model"], options=sharded) for k, r in models.items()}
     osd = {k: get_optimizer_state_dict(r["model"], r["optim"], options=sharded) for k, r in models.items()}
-    key = "layers.0.moe.experts.w1"
+    key = next(k for k in msd["mfsdp2"] if k.startswith("layers.0.moe.experts."))
     out = {"spec": (tuple(msd["mfsdp2"][key].device_mesh.mesh_dim_names), tuple(msd["mfsdp2"][key].placements))}
     same = _same if SCENARIOS[scenario]["exact"] else _close
     for k, v in msd["fsdp2"].items():
@@ -238,7 +277,7 @@ def _reference(scenario: str) -> tuple[list, dict]:
     """The unsharded float64 model: each rank's batch with that rank's router, gradients summed
     and divided by FSDP2's factor for each parameter's mesh."""
     torch.set_num_threads(1)
-    model = _model()
+    model = _model(scenario)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     factor = SCENARIOS[scenario]["expert_factor"]
     losses = []
@@ -251,7 +290,8 @@ def _reference(scenario: str) -> tuple[list, dict]:
             per_rank.append(loss.item())
         with torch.no_grad():
             for name, p in model.named_parameters():
-                p.grad.div_(factor if ".moe.experts." in name else WS)
+                if p.grad is not None:  # None: a skipped expert no rank routed to
+                    p.grad.div_(factor if ".moe.experts." in name else WS)
         opt.step()
         opt.zero_grad()
         losses.append(per_rank)
@@ -304,6 +344,10 @@ def test_moe_with_starved_expert_matches_fsdp2_and_unsharded(runs, scenario):
             assert abs(loss - ref_losses[step][rank]) <= REL_F64 * abs(loss), (scenario, rank, step)
         for ours_norm, full_norm in ours["norms"]:  # mfsdp2.clip_grad_norm_ across meshes
             assert abs(ours_norm - full_norm) <= REL_F64 * full_norm, (scenario, rank, ours_norm, full_norm)
+        # which parameters have a .grad: the same on every rank and in FSDP2 (a skipped expert used
+        # on another rank has one everywhere)
+        assert ours["no_grad"] == theirs["no_grad"] == runs[0][scenario]["mfsdp2"]["no_grad"], (scenario, rank)
+        assert not any(f"layers.0.moe.experts.experts.{STARVED}." in n for step in ours["no_grad"] for n in step)
         # the same collectives on every rank, step by step (a starved expert skips nothing)
         assert ours["comm"] == runs[0][scenario]["mfsdp2"]["comm"], (scenario, rank)
     mesh, placements = runs[0][scenario]["mfsdp2"]["expert_spec"]
