@@ -38,7 +38,7 @@ from ..checkpoint.state_dict import register_state_dict_hooks
 from ..base.strategy import ShardingStrategy, Topology
 from ..dtensors.tensor_parallel import TPSpec, tp_spec_of
 from . import param_meshes
-from .param_grouping import MeshComms, group_indices, mesh_comms
+from .param_grouping import MeshComms, group_indices, mesh_comms, refuse_partial_reshard
 
 __all__ = ["fully_shard"]
 
@@ -71,8 +71,8 @@ def _collect(
 ) -> tuple[list[list[ParamInfo]], list[nn.Parameter], dict[int, TPSpec]]:
     """This unit's own parameters (skipping nested units and ``ignored``, ids of the
     ``ignored_params``), deduplicated, in registration order, and the ids of those that are
-    DTensors (tensor or expert parallel; their specs are checked against each one's own mesh by
-    :func:`_model_parallel_specs`). Parameters must be on the mesh's device, or on the
+    DTensors (tensor or expert parallel; their specs are checked later, against the mesh each one
+    is sharded over). Parameters must be on the mesh's device, or on the
     main device under CPU offload (``main``): a model kept on the CPU is sharded from there."""
     module = modules[0]
     infos: dict[int, list[ParamInfo]] = {}
@@ -329,20 +329,15 @@ def fully_shard(
     # Where each parameter is sharded (shard_placement_fn: a dimension, and maybe a mesh of its
     # own, mfsdp2.frontend.param_meshes); its model-parallel spec is checked against that mesh.
     placements = param_meshes.resolve(shard_placement_fn, params, fqns, where, mesh)
-    meshes = mesh_comms(placements, MeshComms(mesh, topology, comm, replicate), strategy, where, _communicator)
+    unit_mesh = MeshComms(mesh, topology, comm, replicate)
+    meshes = mesh_comms(placements, unit_mesh, strategy, where, _communicator)
     for i, p in enumerate(params):
         if id(p) in specs:
             specs[id(p)] = tp_spec_of(p, meshes[i].mesh, fqns[i], type(modules[0]).__name__)
-    dims = shard_dims((lambda p, _answers={id(q): pl.placement for q, pl in zip(params, placements)}: _answers[id(p)])
-                      if shard_placement_fn is not None else None, fqns, params, where,
-                      topology.shard_dim is not None, [specs.get(id(p)) for p in params])
-    n_meshes = len({m.key for m in meshes})
-    if is_int and n_meshes > 1:
-        raise ValueError(
-            f"mfsdp2: reshard_after_forward={k} (an int) for {where}, whose parameters are sharded over {n_meshes} "
-            "meshes (shard_placement_fn); a partial reshard keeps blocks of one mesh's ranks, which the other "
-            "meshes do not have: pass reshard_after_forward=True or False"
-        )
+    dims = shard_dims(param_meshes.answers(params, placements) if shard_placement_fn is not None else None, fqns,
+                      params, where, topology.shard_dim is not None, [specs.get(id(p)) for p in params])
+    if is_int:
+        refuse_partial_reshard(k, meshes, where)
     if partial_k is not None:
         post_forward_comm = comm.subgroup(partial_k)  # collective: all ranks create the groups together
     # Tied to a parameter a wrapped child sharded: take it over (for a list, the child must be
@@ -361,14 +356,13 @@ def fully_shard(
         )
     # One group per (mesh, dtype policy): mfsdp2.frontend.param_grouping.
     by_key = group_indices(params, meshes, fqns, name, mp_policy.all_gather_dtype)
-    meshes_key = MeshComms(mesh, topology, comm, replicate).key  # the unit's own mesh: groups untagged
     groups = [
         ParameterGroup(
             name, [infos[i] for i in idx],
             [_tp_local(params[i]) if id(params[i]) in specs else params[i] for i in idx],
             meshes[idx[0]].mesh, meshes[idx[0]].comm, comm.device, mp_policy,
             GroupConfig(strategy, meshes[idx[0]].topology.shard_dim, meshes[idx[0]].replicate, key[3], main,
-                        mesh_tag=meshes[idx[0]].tag if meshes[idx[0]].key != meshes_key else ""),
+                        mesh_tag=meshes[idx[0]].tag_within(unit_mesh)),
             tp_specs=[specs.get(id(params[i])) for i in idx], shard_dims=[dims[i] for i in idx],
         )
         for key, idx in by_key.items()

@@ -26,7 +26,7 @@ from ..base.strategy import ShardingStrategy, Topology
 from ..comm.communicator import Communicator
 from .param_meshes import ParamPlacement
 
-__all__ = ["MeshComms", "mesh_comms", "group_indices"]
+__all__ = ["MeshComms", "mesh_comms", "group_indices", "refuse_partial_reshard"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,10 @@ class MeshComms:
     def key(self) -> tuple:
         """The process groups, as FSDP2 keys its parameter groups."""
         return (id(self.comm.group), id(self.replicate.group) if self.replicate is not None else None)
+
+    def tag_within(self, unit: "MeshComms") -> str:
+        """The tag of a group on this mesh in a unit whose own mesh is ``unit`` ("" there)."""
+        return "" if self.key == unit.key else self.tag
 
 
 def mesh_comms(
@@ -72,6 +76,18 @@ def mesh_comms(
             made[id(pl.mesh)] = mc
         out.append(mc)
     return out
+
+
+def refuse_partial_reshard(k: int, meshes: Sequence[MeshComms], where: str) -> None:
+    """``reshard_after_forward=<int>`` keeps blocks of ``k`` of one mesh's ranks: a unit sharded
+    over several meshes (other groups, other ranks) cannot (E73)."""
+    n = len({m.key for m in meshes})
+    if n > 1:
+        raise ValueError(
+            f"mfsdp2: reshard_after_forward={k} (an int) for {where}, whose parameters are sharded over {n} "
+            "meshes (shard_placement_fn); a partial reshard keeps blocks of one mesh's ranks, which the other "
+            "meshes do not have: pass reshard_after_forward=True or False"
+        )
 
 
 def group_indices(

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParamPlacement", "resolve", "is_placement_result"]
+__all__ = ["ParamPlacement", "resolve", "answers", "is_placement_result"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,13 @@ def _mesh_of(mesh_info: Any, fqn: str, where: str) -> DeviceMesh:
             f"replicate_mesh_dim={replicate_dim}; {advice}"
         )
     return mesh
+
+
+def answers(params: Sequence[torch.Tensor], placements: Sequence[ParamPlacement]) -> Callable:
+    """A ``shard_placement_fn`` answering each parameter's resolved placement (what
+    :func:`mfsdp2.dtensors.shard_dim.shard_dims` validates), without calling the user's again."""
+    by_id = {id(p): pl.placement for p, pl in zip(params, placements)}
+    return lambda p: by_id[id(p)]
 
 
 def resolve(
