@@ -17,12 +17,14 @@ every block then the root, as torchtitan's ``apply_fsdp_to_decoder`` does it:
 
 Timed phase: rounds of one training step per framework (order reversed every other round, a
 barrier before each; a step's time is the max over ranks), medians with p10/p90. Memory phase,
-each framework alone (fresh model, one warm-up step, two steps measured): peak tensor memory by
+each framework alone in fresh rank processes (one warm-up step, two steps measured): peak tensor
+memory by
 the same tool for both -- torch's ``MemTracker`` (every tensor an op creates, plus the model's
 and optimizer's: FSDP2's shards, states and gathers), for mfsdp2 with its shards, main grads and
 all its allocator holds registered (``StepMemoryTracker``; torch's ``FSDPMemTracker`` refuses a
 unit with several parameter groups, FSDP2's own per-parameter meshes) --, and the
-RSS high-water mark above the rank's RSS before the model was built. Losses of the timed steps
+RSS high-water mark above the rank's RSS before the model was built (which includes what gloo
+allocates itself: its reduce-scatter's clone of the whole input under FSDP2). Losses of the timed steps
 are compared too (FSDP2's reduce-scatter sums in gloo's ring order, mfsdp2's in rank order: at
 four ranks they may differ in the last bits, see docs/comm.md "Order of additions").
 
@@ -97,12 +99,17 @@ def _step(model, opt, step: int, rank: int) -> float:
     return loss.item()
 
 
-def _memory(case: str, framework: str, rank: int) -> dict:
-    """Peak tensor memory (torch's trackers) and peak RSS of one framework alone."""
+def memory_worker(rank: int, ws: int, case: str, framework: str) -> dict:
+    """Peak tensor memory (torch's trackers) and peak RSS of one framework alone, in fresh rank
+    processes (so no framework inherits another's heap): RSS above the process's RSS before the
+    model was built, and the process's whole high-water mark."""
     from torch.distributed._tools.mem_tracker import MemTracker
+
+    import mfsdp2  # noqa: F401  (imported before the base is taken, as torch is)
 
     gc.collect()
     C.malloc_trim()
+    C.reset_peak_rss()
     base = C.rss_bytes()
     model, opt = _build(case, framework)
     _step(model, opt, 0, rank)
@@ -115,20 +122,17 @@ def _memory(case: str, framework: str, rank: int) -> dict:
     else:
         tracker = MemTracker()
         tracker.track_external(model, opt, x)
-    C.reset_peak_rss()
     with tracker:
         for s in (1, 2):
             _step(model, opt, s, rank)
             tracker.reset_mod_stats()
     out["peak_rss_above_base"] = C.peak_rss_bytes() - base
+    out["peak_rss"] = C.peak_rss_bytes()
     snap = tracker.get_tracker_snapshot("peak")
     dev = next(iter(snap.values())) if snap else {}
     breakdown = {(k.value if hasattr(k, "value") else str(k)): int(v) for k, v in dev.items() if v}
     out["peak_tensor_bytes"] = int(breakdown.get("Total", 0))
     out["peak_tensor_breakdown"] = breakdown
-    del model, opt, tracker
-    gc.collect()
-    C.malloc_trim()
     return out
 
 
@@ -156,16 +160,15 @@ def worker(rank: int, ws: int, cases: list[str], steps: int, wait_quiet: float) 
                 times[f].append(time.perf_counter() - s0)
         del models
         gc.collect()
-        memory = {f: _memory(case, f, rank) for f in FRAMEWORKS}
         wall = time.time() - t0
         own = torch.tensor([C.process_cpu_s() - own0], dtype=torch.float64)
         dist.all_reduce(own)  # the ranks' own CPU time: the rest of the machine's busy time is foreign
         foreign = max(0.0, (C.machine_busy_s() - busy0) - own.item()) / (wall * (os.cpu_count() or 1))
-        out[case] = {"times": times, "losses": losses, "memory": memory, "wall_s": wall, "foreign_cpu_fraction": foreign}
+        out[case] = {"times": times, "losses": losses, "wall_s": wall, "foreign_cpu_fraction": foreign}
     return out
 
 
-def summarize(per_rank: list[dict], cases: list[str], steps: int) -> dict:
+def summarize(per_rank: list[dict], memory: dict, cases: list[str], steps: int) -> dict:
     result = {"cases": []}
     for case in cases:
         r0 = per_rank[0][case]
@@ -173,11 +176,12 @@ def summarize(per_rank: list[dict], cases: list[str], steps: int) -> dict:
              "foreign_cpu_fraction": max(r[case]["foreign_cpu_fraction"] for r in per_rank)}
         for f in FRAMEWORKS:
             t = C.max_over_ranks([r[case]["times"][f] for r in per_rank])
-            mem = [r[case]["memory"][f] for r in per_rank]
+            mem = memory[(case, f)]
             c[f] = {
                 "step_s": C.summarize_times(t),
                 "peak_tensor_bytes": max(m["peak_tensor_bytes"] for m in mem),
                 "peak_rss_above_base": max(m["peak_rss_above_base"] for m in mem),
+                "peak_rss": max(m["peak_rss"] for m in mem),
                 "peak_tensor_breakdown_rank0": mem[0]["peak_tensor_breakdown"],
                 "losses": r0["losses"][f],
             }
@@ -206,7 +210,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown case {c!r}; one of {CASES}")
     t0 = time.time()
     per_rank = C.run_ranks(worker, WS, cases, a.steps, a.wait_quiet)
-    result = summarize(per_rank, cases, a.steps)
+    memory = {(c, f): C.run_ranks(memory_worker, WS, c, f) for c in cases for f in FRAMEWORKS}
+    result = summarize(per_rank, memory, cases, a.steps)
     result.update(machine=C.machine_info(), date=C.now_iso(), wall_s=time.time() - t0,
                   fsdp2_tuned=C.fsdp2_tuned("cpu"), command=" ".join(["python", "benchmarks/moe.py"] + (argv or sys.argv[1:])))
     rows = []
