@@ -3,7 +3,7 @@
     python benchmarks/moe.py [--steps N] [--cases ep2,ep1] [--wait-quiet S] [--json PATH]
 
 The model is ``mfsdp2.models.moe``'s ``MoEConfig.bench()`` (4 MoE blocks of 8 experts, top-2, a
-shared expert; ~13.5M parameters, 79 % in the experts), float32, global batch 4 x 2 sequences of
+shared expert; 13.2M parameters, 80 % in the experts), float32, global batch 4 x 2 sequences of
 128 tokens, AdamW. Each rank builds the same seeded model three times and shards it with mfsdp2,
 FSDP2 as shipped and FSDP2 tuned (``_common.fsdp2_tuned``: the winner of
 ``benchmarks/fsdp2_tuning.py``, on CPU async unshard with explicit prefetch of the next block),

@@ -72,7 +72,7 @@ class MoEConfig(LlamaConfig):
 
     @classmethod
     def bench(cls) -> "MoEConfig":
-        """About 13.5M parameters, 10.6M of them in 8 experts per block (top-2): the benchmark's."""
+        """About 13.2M parameters, 10.6M of them in 8 experts per block (top-2): the benchmark's."""
         return cls(vocab_size=2048, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=128,
                    experts=8, top_k=2, expert_dim=432, shared_expert_dim=256)
 
