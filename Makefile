@@ -61,6 +61,7 @@ bench-record: venv native
 	$(PY) benchmarks/scale.py --json $(R)/scale.json
 	$(PY) benchmarks/alpha_beta.py --json $(R)/alpha_beta.json
 	$(PY) benchmarks/step_model.py --json $(R)/step_model.json
+	$(PY) benchmarks/moe.py --steps 16 --wait-quiet 60 --json $(R)/moe.json
 
 # One command for a lent GPU machine (tools/gpu_check.py, under 5 minutes there, every step on a
 # fixed budget): the CUDA-marked tests, benchmarks/gpu.py at world size 1 and one profiled step of

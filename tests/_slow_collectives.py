@@ -52,14 +52,14 @@ from ._late_streams import CudaStreams
 
 # The functions mfsdp2 (and these tests) call; p2p ones are asynchronous by nature.
 _ASYNC_KW = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
-             "all_reduce", "broadcast", "all_gather", "barrier")
+             "all_to_all_single", "all_reduce", "broadcast", "all_gather", "barrier")
 _P2P = ("isend", "irecv")
 # (outputs, inputs): positions, in the function's signature, of the tensor (or list) arguments.
 _IO = {
     "all_gather_single": ((0,), (1,)), "all_gather_into_tensor": ((0,), (1,)),
     "reduce_scatter_single": ((0,), (1,)), "reduce_scatter_tensor": ((0,), (1,)),
     "all_reduce": ((0,), (0,)), "broadcast": ((0,), (0,)),
-    "all_gather": ((0,), (1,)), "reduce_scatter": ((0,), (1,)),
+    "all_gather": ((0,), (1,)), "reduce_scatter": ((0,), (1,)), "all_to_all_single": ((0,), (1,)),
     "isend": ((), (0,)), "irecv": ((0,), ()), "barrier": ((), ()),
 }
 

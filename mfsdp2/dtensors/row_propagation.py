@@ -261,6 +261,10 @@ def _align(op_schema, out, move: bool) -> bool:
             p for p in positions if isinstance(_get(args, p), DTensorSpec) and isinstance(_get(want, p), DTensorSpec)
         ]
         mesh = _get(args, positions[0]).mesh if positions else None
+        # Only inputs on the first one's mesh are aligned with it: DTensor dispatch turns plain
+        # scalar arguments (an optimizer's step counts) into Replicate DTensors on one mesh of
+        # the call, which for a parameter on a mesh of its own (shard_placement_fn) is another one.
+        positions = [p for p in positions if _get(args, p).mesh == mesh]
         for d in range(mesh.ndim if mesh is not None else 0):
             k = mesh.size(d)
             for n, members in _shard_classes(want, positions, d).items():

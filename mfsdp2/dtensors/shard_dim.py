@@ -45,6 +45,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.distributed.tensor import Shard
 
+from .tensor_parallel import is_expert_parallel
+
 __all__ = [
     "InvalidShardDimError",
     "storage_shape",
@@ -97,13 +99,18 @@ def shard_dims(
     params: list[torch.Tensor],
     where: str,
     shards: bool,
-    tp: list[bool],
+    tp: list,
 ) -> list[int]:
     """The dimension each parameter is sharded on, from FSDP2's ``shard_placement_fn``: ``None``
     and ``Shard(0)`` give 0, ``Shard(d)`` (``d`` may be negative) gives ``d``. Refused, naming the
     parameter: a dimension the parameter does not have (FSDP2's ``AssertionError`` type, reported
-    first, as FSDP2 checks it first), any other placement (per-parameter meshes,
-    ``_StridedShard``), and ``Shard(d != 0)`` for a tensor-parallel parameter. ``shards``: False
+    first, as FSDP2 checks it first), any other placement (``_StridedShard``, ``Replicate``), and
+    ``Shard(d != 0)`` for a model-parallel parameter whose placements already split ``d``
+    (``tp``: each parameter's :class:`~mfsdp2.dtensors.tensor_parallel.TPSpec`, or None; an
+    expert-parallel ``Shard(0)`` weight sharded on dim 1 is torchtitan's case with more
+    expert-sharding ranks than experts). A ``ShardPlacementResult``'s mesh is
+    resolved before (:mod:`mfsdp2.frontend.param_meshes`): ``shard_placement_fn`` here answers its
+    placement. ``shards``: False
     for ``no_shard``, where every parameter stays whole and the answers are not used."""
     if shard_placement_fn is None:
         return [0] * len(params)
@@ -123,16 +130,23 @@ def shard_dims(
         if not plain[i]:
             raise ValueError(
                 f"mfsdp2: shard_placement_fn returned {r!r} for parameter {fqns[i]!r} of {where}; mfsdp2 "
-                "shards each parameter over the unit's mesh on one dimension: return Shard(d) or None "
-                "(per-parameter meshes and strided placements are not supported)"
+                "shards each parameter over a mesh on one dimension: return Shard(d) or None "
+                "(on the unit's mesh), or ShardPlacementResult(Shard(d), mesh_info) for a mesh of its own "
+                "(strided and replicated placements are not supported)"
             )
     dims = [0 if r is None else r.dim % max(p.dim(), 1) for p, r in zip(params, answers)]
     for i, d in enumerate(dims):
-        if d and tp[i]:
+        spec = tp[i]
+        if not d or spec is None:
+            continue
+        split = {pl.dim % params[i].dim() for pl in spec.placements if isinstance(pl, Shard)}
+        if d in split:
+            kind = "expert-parallel" if is_expert_parallel(spec.mesh) else "tensor-parallel"
             raise ValueError(
-                f"mfsdp2: shard_placement_fn returned Shard({d}) for the tensor-parallel parameter {fqns[i]!r} "
-                f"of {where}; mfsdp2 shards tensor-parallel parameters on dim 0 of their TP-local tensor: "
-                "return Shard(0) or None for it"
+                f"mfsdp2: shard_placement_fn returned Shard({d}) for the {kind} parameter {fqns[i]!r} of {where}, "
+                f"whose {kind} placements {spec.placements} already split dim {d}; mfsdp2 shards a model-parallel "
+                f"parameter's local tensor on dim 0 or on a dim its {kind} placements do not split: return "
+                "Shard(0), None, or Shard(d) for such a d"
             )
     if not shards:
         if any(dims):

@@ -3,12 +3,18 @@
     python -m mfsdp2.estimate --llama 8B --mesh 64 --param-dtype bf16 --reduce-dtype fp32 --batch 1 --seq 8192
     python -m mfsdp2.estimate --model mypkg.models:build --kwargs '{"layers": 48}' --units mypkg.models:Block \\
         --mesh 8,128 --batch 2 --seq 4096 --json
+    python -m mfsdp2.estimate --moe qwen3-30b-a3b --mesh 64 --expert-parallel 8 --param-dtype bf16 --batch 1 --seq 4096
 
 The model is built under ``torch.device("meta")`` (no memory): ``--llama NAME`` for a Llama-3
 geometry (8B, 70B, 405B) or the demo decoder (``demo``) of ``mfsdp2.models.llama``, or
-``--model module:callable`` (with ``--kwargs``) for your own. ``--units`` names the class whose
+``--model module:callable`` (with ``--kwargs``) for your own, or ``--moe NAME`` for a
+mixture-of-experts decoder of ``mfsdp2.models.moe`` (``tiny``, ``bench``, or a Qwen3-30B-A3B-like
+geometry: 48 blocks of 128 experts, top-8, 16 heads of 128). ``--units`` names the class whose
 instances ``fully_shard`` wraps before the root (``module:Class``, or a class name found in the
-model); the Llama presets wrap each ``TransformerBlock``. Input: ``--batch`` per rank and
+model); the Llama presets wrap each ``TransformerBlock``, the MoE presets each ``MoEBlock``, with
+the experts sharded as torchtitan shards them: ``--expert-parallel N`` splits them over ``N``
+ranks and shards each rank's local experts over the other ``shard / N`` (their own mesh), on dim
+1 when those ranks times ``N`` outnumber the experts. Input: ``--batch`` per rank and
 ``--seq`` for token ids (else floats for the first ``nn.Linear``). Prints the table, or the JSON
 form with ``--json``.
 """
@@ -23,6 +29,10 @@ from typing import Optional
 
 import torch
 
+MOE = {
+    "qwen3-30b-a3b": dict(vocab_size=151936, dim=2048, n_layers=48, n_heads=16, n_kv_heads=4, max_seq_len=4096,
+                          experts=128, top_k=8, expert_dim=768, shared_expert_dim=0),
+}
 LLAMA3 = {
     "8B": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
     "70B": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
@@ -56,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--llama", choices=sorted(LLAMA3) + ["demo"], help="a Llama-3 geometry or the demo decoder")
     src.add_argument("--model", metavar="MODULE:CALLABLE", help="a factory of your model (built on meta)")
+    src.add_argument("--moe", choices=["tiny", "bench"] + sorted(MOE), help="a mixture-of-experts decoder (mfsdp2.models.moe)")
+    p.add_argument("--expert-parallel", type=int, default=1, help="--moe: expert-parallel degree (a divisor of the shard size)")
     p.add_argument("--kwargs", default="{}", help="JSON keyword arguments for --model")
     p.add_argument("--units", metavar="CLASS",
                    help="module:Class or a class name in the model: the units wrapped before the root")
@@ -100,6 +112,14 @@ def main(argv=None) -> int:
                 cfg.max_seq_len = a.seq
             model = Transformer(cfg)
             units = TransformerBlock
+        elif a.moe:
+            from mfsdp2.models.moe import MoEBlock, MoEConfig, MoETransformer
+
+            cfg = getattr(MoEConfig, a.moe)() if a.moe in ("tiny", "bench") else MoEConfig(**MOE[a.moe])
+            if a.seq is not None and a.seq > cfg.max_seq_len:
+                cfg.max_seq_len = a.seq
+            model = MoETransformer(cfg)
+            units = MoEBlock
         else:
             model = _load(a.model)(**json.loads(a.kwargs))
             units = None
@@ -115,12 +135,25 @@ def main(argv=None) -> int:
     raf = True if raf == "true" else False if raf == "false" else int(raf)
     mp = MixedPrecisionPolicy(param_dtype=_dtype(a.param_dtype), reduce_dtype=_dtype(a.reduce_dtype),
                               main_params_dtype=_dtype(a.main_dtype), main_grads_dtype=_dtype(a.main_dtype))
+    moe = {}
+    if a.moe:
+        shard = int(a.mesh.split(",")[-1])
+
+        def is_expert(fqn: str, p) -> bool:
+            return ".moe.experts." in fqn
+
+        # torchtitan's apply_fsdp_to_decoder: Shard(1) when the expert-sharding ranks outnumber the experts
+        dim = 1 if shard > model.cfg.experts else 0
+        moe = dict(experts=is_expert, expert_parallel=a.expert_parallel,
+                   shard_dims=lambda fqn, p: dim if is_expert(fqn, p) else 0)
+    elif a.expert_parallel != 1:
+        raise SystemExit("--expert-parallel applies to --moe models")
     est = estimate_memory(
         model, units=units, mesh_shape=[int(x) for x in a.mesh.split(",")], sharding_strategy=a.strategy,
         mp_policy=mp, offload=a.offload, optimizer=a.optimizer, optimizer_impl=a.optimizer_impl,
         prefetch_depth=a.prefetch, reshard_after_forward=raf, batch_size=a.batch, seq_len=a.seq,
         device=a.device, allocator=a.allocator, hold_between_steps=not a.no_hold_between_steps, rank=a.rank,
-        storage_swap=None if a.storage_swap == "auto" else a.storage_swap == "on",
+        storage_swap=None if a.storage_swap == "auto" else a.storage_swap == "on", **moe,
     )
     sys.stdout.write(f"{est.to_json() if a.json else est}\n")
     return 0

@@ -74,6 +74,8 @@ def estimate_memory(
     rank: Optional[int] = None,
     shard_dims: Optional[Callable[[str, nn.Parameter], int]] = None,
     storage_swap: Optional[bool] = None,
+    experts: Optional[Callable[[str, nn.Parameter], bool]] = None,
+    expert_parallel: int = 1,
 ) -> MemoryEstimate:
     """Predict the per-rank memory of a training step of ``model`` sharded by mfsdp2.
 
@@ -102,6 +104,13 @@ def estimate_memory(
     torch's own memory (``storage.resize_``), which the allocator counts but does not hold, so
     it caches and pools only the rest. Default: what this torch does
     (:data:`mfsdp2.base.compat.HAS_STORAGE_SWAP`, ``MFSDP2_NO_STORAGE_SWAP=1`` included).
+    ``shard_dims(fqn, param)``: the dimension ``shard_placement_fn`` shards each parameter on.
+    Mixture-of-experts with expert parallelism (torchtitan's sharding): ``experts(fqn, param)``
+    picks the routed experts' weights, ``expert_parallel`` (a divisor of the shard group) splits
+    them on dim 0 over that many ranks, and each rank's local experts form their own group sharded
+    over the remaining ``shard // expert_parallel`` ranks (``ShardPlacementResult`` per-parameter
+    meshes); the activations are traced with every expert on one rank (the all-to-all's buffers
+    are not counted).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"mfsdp2.estimate_memory: model must be an nn.Module, got {type(model).__name__}")
@@ -135,12 +144,23 @@ def estimate_memory(
             raise ValueError(f"mfsdp2.estimate_memory: reshard_after_forward={raf!r} must be a bool or (ZeRO-3) a "
                              f"divisor of the shard group size {shard_world}")
         raf = True if int(raf) == shard_world else (False if int(raf) == 1 else int(raf))
+    if expert_parallel < 1 or shard_world % expert_parallel:
+        raise ValueError(f"mfsdp2.estimate_memory: expert_parallel={expert_parallel} must divide the shard group size {shard_world}")
+    if expert_parallel > 1:
+        if experts is None:
+            raise ValueError("mfsdp2.estimate_memory: expert_parallel > 1 needs experts= (which parameters are the routed experts)")
+        if not isinstance(raf, bool):
+            raise ValueError(f"mfsdp2.estimate_memory: reshard_after_forward={reshard_after_forward!r} (an int) with expert "
+                             "parallelism: units sharded over several meshes take True or False (E73)")
+        odd = [n for n, p in model.named_parameters() if experts(n, p) and p.shape[0] % expert_parallel]
+        if odd:
+            raise ValueError(f"mfsdp2.estimate_memory: expert weights {odd[:3]} do not split over expert_parallel={expert_parallel} on dim 0")
     spec = OPTIMIZERS[optimizer]
     impl = optimizer_impl if optimizer_impl != "auto" else ("foreach" if device == "cuda" else "single")
     notes: list[str] = []
 
     named = resolve_units(model, units)
-    plans = plan_units(named, shard_world, mp, shard_dims)
+    plans = plan_units(named, shard_world, mp, shard_dims, experts, expert_parallel)
     if spec.flat:  # mfsdp2.optim.AdamW: counters beside the states; bfloat16 moments keep them on the host
         step_on_device = device == "cpu" or spec.state_dtype is None
     else:
@@ -222,7 +242,8 @@ def estimate_memory(
         "flat_grad_bytes": u.flat_grad_bytes(),
         "groups": [{"dtype": _dtype_name(g.orig_dtype), "requires_grad": g.requires_grad, "shard_numel": g.S,
                     "total_numel": g.total, "compute": _dtype_name(g.compute_dtype), "main": _dtype_name(g.main_dtype),
-                    "reduce": _dtype_name(g.reduce_dtype)} for g in u.groups],
+                    "reduce": _dtype_name(g.reduce_dtype), "mesh": g.mesh or "unit", "world": g.world}
+                   for g in u.groups],
     } for u in plans]
     if any(g.fp8 for u in plans for g in u.groups):
         notes.append("FP8 all-gather: the float8 bytes are counted from issue to wait; amax/scale tensors are not")
@@ -235,7 +256,7 @@ def estimate_memory(
         "optimizer": f"{optimizer} ({impl})", "prefetch_depth": prefetch_depth,
         "reshard_after_forward": reshard_after_forward, "root_reshard_after_forward": root_reshard_after_forward,
         "allocator": allocator, "storage_swap": cfg.storage_swap, "device": device, "offload": offload,
-        "units": len(plans), "params": sum(u["params"] for u in unit_rows),
+        "units": len(plans), "params": sum(u["params"] for u in unit_rows), "expert_parallel": expert_parallel,
     }
     config["peak_step"] = point.step
     return MemoryEstimate(peak, at_peak, point.label, sizes, host, unit_rows, config, rank, notes)

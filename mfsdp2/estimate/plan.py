@@ -90,6 +90,12 @@ class GroupPlan:
     grad_dtype: torch.dtype
     reduce_dtype: torch.dtype
     layout: BufferLayout
+    # Per-parameter meshes (expert parallelism): ``mesh`` names the group's data-parallel mesh
+    # ("" for the unit's), ``world`` its shard-group size, and a rank of the unit's shard group
+    # is rank ``r // rank_div`` of this one (torchtitan's (efsdp, ep) order: ep innermost).
+    mesh: str = ""
+    world: int = 1
+    rank_div: int = 1
 
     @property
     def S(self) -> int:
@@ -101,19 +107,19 @@ class GroupPlan:
 
     def local_numel(self, rank: int) -> int:
         """Elements of this rank's rows (the optimizer's states follow these, not the padding)."""
-        lo, hi = self.layout.shard_range(rank)
+        lo, hi = self.layout.shard_range(rank // self.rank_div)
         return sum(max(0, min(hi, s.offset + s.numel) - max(lo, s.offset)) for s in self.layout.slots)
 
     def local_span(self, rank: int) -> int:
         """Elements from this rank's first piece to its last, padding between them included (the
         span ``mfsdp2.optim.AdamW``'s flat states cover)."""
-        lo, hi = self.layout.shard_range(rank)
+        lo, hi = self.layout.shard_range(rank // self.rank_div)
         ends = [(max(lo, s.offset), min(hi, s.offset + s.numel)) for s in self.layout.slots
                 if min(hi, s.offset + s.numel) > max(lo, s.offset)]
         return max(e for _, e in ends) - min(b for b, _ in ends) if ends else 0
 
     def local_pieces(self, rank: int) -> list[int]:
-        lo, hi = self.layout.shard_range(rank)
+        lo, hi = self.layout.shard_range(rank // self.rank_div)
         return [max(0, min(hi, s.offset + s.numel) - max(lo, s.offset)) for s in self.layout.slots]
 
 
@@ -207,8 +213,16 @@ def plan_units(
     shard_world: int,
     mp: MixedPrecisionPolicy,
     shard_dims: Optional[Callable[[str, nn.Parameter], int]] = None,
+    experts: Optional[Callable[[str, nn.Parameter], bool]] = None,
+    expert_parallel: int = 1,
 ) -> list[UnitPlan]:
-    """Groups and layouts of every unit (``shard_world``: the shard-group size; 1 for no_shard)."""
+    """Groups and layouts of every unit (``shard_world``: the shard-group size; 1 for no_shard).
+
+    ``experts`` / ``expert_parallel`` (torchtitan's MoE sharding): with ``expert_parallel > 1``
+    the parameters ``experts(fqn, p)`` picks are DTensors ``Shard(0)`` over that many ranks, and
+    each rank's local experts are sharded over the expert-data-parallel group of
+    ``shard_world // expert_parallel`` ranks: their own group (``fully_shard`` keys groups by
+    mesh, :mod:`mfsdp2.frontend.param_grouping`), planned from the local shape."""
     owned = _owned_params(units)
     plans = []
     for (path, module), params in zip(units, owned):
@@ -220,17 +234,23 @@ def plan_units(
                 continue
             seen.add(id(p))
             fp8 = mp.all_gather_dtype if p.dim() >= 2 and p.dtype.is_floating_point else None
-            by_key.setdefault((p.dtype, p.requires_grad, fp8), []).append((fqn, p))
-        for gi, ((dtype, rg, fp8), ps) in enumerate(by_key.items()):
+            expert = expert_parallel > 1 and experts is not None and experts(fqn, p)
+            by_key.setdefault((expert, p.dtype, p.requires_grad, fp8), []).append((fqn, p))
+        for gi, ((expert, dtype, rg, fp8), ps) in enumerate(by_key.items()):
             compute = mp.compute_dtype(dtype)
             main = mp.main_dtype(dtype, rg)
             itemsize = min(torch.finfo(d).bits if d.is_floating_point else torch.iinfo(d).bits
                            for d in (compute, main)) // 8
             shapes = [tuple(int(s) for s in p.shape) for _, p in ps]
+            world, div = shard_world, 1
+            if expert:  # the local experts, over the expert-data-parallel group
+                shapes = [(s[0] // expert_parallel,) + s[1:] for s in shapes]
+                world, div = max(shard_world // expert_parallel, 1), expert_parallel
             dims = [int(shard_dims(f, p)) if shard_dims else 0 for f, p in ps]
-            layout = plan_layout(shapes, shard_world, align=max(16 // itemsize, 1), dims=dims)
+            layout = plan_layout(shapes, world, align=max(16 // itemsize, 1), dims=dims)
             unit.groups.append(GroupPlan(unit.name, gi, shapes, [id(p) for _, p in ps], dtype, rg, fp8, compute, main,
-                                         mp.grad_dtype(dtype, rg), mp.wire_reduce_dtype(compute), layout))
+                                         mp.grad_dtype(dtype, rg), mp.wire_reduce_dtype(compute), layout,
+                                         mesh="experts" if expert else "", world=world, rank_div=div))
         plans.append(unit)
     return plans
 

@@ -72,7 +72,8 @@ class MemoryEstimate:
         lines = [
             f"mfsdp2 memory estimate: rank {self.rank} of mesh {mesh}, {c.get('strategy')}, "
             f"{c.get('precision')}, {c.get('optimizer')}, prefetch {c.get('prefetch_depth')}, "
-            f"allocator {c.get('allocator')}, {c.get('device')}",
+            f"allocator {c.get('allocator')}, {c.get('device')}"
+            + (f", expert parallel {c['expert_parallel']}" if c.get("expert_parallel", 1) > 1 else ""),
             f"predicted peak: {_fmt(self.peak_bytes)} ({self.peak_bytes:,} B) at {self.peak_at}",
             "",
             f"{'at the peak':<24}{'bytes':>18}{'':>14}{'share':>8}",

@@ -18,7 +18,7 @@ hooks do to its allocator (see ``hooks.py``, ``grad_reduction.py``, ``grad_bucke
   post-backward frees the weights, finishes the previous reduction (one in flight: FSDP2's
   default), allocates the flat gradient (reduce dtype) while autograd's gradients are still
   alive, then the main gradient (the first reduction after ``zero_grad`` writes straight into
-  it) or a reduce-scatter output, and the gloo point-to-point receive scratch. Groups whose
+  it) or a reduce-scatter output, and the gloo receive scratch (point-to-point or all-to-all). Groups whose
   reduction is a whole all-reduce (no_shard, ZeRO-1's small groups, ZeRO-2/3's below 256 KiB at
   two gloo ranks) pack into buckets instead: one bucket per group in the first backward, then the
   recorded order cut at the bucket cap, at most two in flight.
@@ -188,13 +188,13 @@ class _Sim:
         if to_group:
             k = int(self.cfg.reshard_after_forward)
             self.partial[u] = True
-            self.extra += sum(self.cfg.shard_world // k * g.S * _itemsize(g.compute_dtype) for g in self.plans[u].groups)
+            self.extra += sum(g.world // k * g.S * _itemsize(g.compute_dtype) for g in self.plans[u].groups)
         elif self.partial[u]:
             self._drop_kept(u)
 
     def _drop_kept(self, u: int) -> None:
         k = int(self.cfg.reshard_after_forward)
-        self.extra -= sum(self.cfg.shard_world // k * g.S * _itemsize(g.compute_dtype) for g in self.plans[u].groups)
+        self.extra -= sum(g.world // k * g.S * _itemsize(g.compute_dtype) for g in self.plans[u].groups)
         self.partial[u] = False
 
     def _raf(self, u: int):
@@ -206,8 +206,8 @@ class _Sim:
         full_grads = not cfg.strategy.shards_grads
         if cfg.bucket_cap_bytes <= 0:
             return False
-        if cfg.shard_world > 1:
-            if cfg.replicate_world > 1 or not (full_grads or cfg.shard_world == 2):
+        if g.world > 1:
+            if cfg.replicate_world > 1 or not (full_grads or g.world == 2):
                 return False
             nbytes = g.total * _itemsize(g.reduce_dtype)
             return cfg.backend == "gloo" and nbytes < SMALL_REDUCE_SCATTER_BYTES
@@ -280,12 +280,14 @@ class _Sim:
                     direct = self._direct(g) and (u, g.index) not in self.main_grad
                     if direct:
                         self.ensure_main_grad(u, g)
-                    elif self.cfg.shard_world > 1 or self.cfg.strategy.shards_grads:
+                    elif g.world > 1 or self.cfg.strategy.shards_grads:
                         self.alloc(("rs_out", u, g.index), g.S, g.reduce_dtype)
                     out = not direct
                     nbytes = g.total * _itemsize(g.reduce_dtype)
-                    if self.cfg.backend == "gloo" and self.cfg.shard_world > 2 and nbytes >= SMALL_REDUCE_SCATTER_BYTES:
-                        self.alloc(("rs_recv", u, g.index), (self.cfg.shard_world - 2) * g.S, g.reduce_dtype)
+                    if self.cfg.backend == "gloo" and g.world > 2:
+                        # receive scratch: point-to-point (n - 2 chunks), all-to-all below the threshold (n)
+                        n = g.world - 2 if nbytes >= SMALL_REDUCE_SCATTER_BYTES else g.world
+                        self.alloc(("rs_recv", u, g.index), n * g.S, g.reduce_dtype)
                 self.pending[(u, g.index)] = {"out": out}
                 issued = True
         self.act -= grads

@@ -41,6 +41,8 @@ from ..runtime.state import FSDPState, unit_state
 from ..checkpoint.state_dict import register_state_dict_hooks
 from ..base.strategy import ShardingStrategy, Topology
 from ..dtensors.tensor_parallel import TPSpec, tp_spec_of
+from . import param_meshes
+from .param_grouping import MeshComms, group_indices, mesh_comms, refuse_partial_reshard
 
 __all__ = ["fully_shard"]
 
@@ -68,21 +70,22 @@ def _collect(
     modules: list[nn.Module], device: torch.device, mesh: DeviceMesh, ignored: set[int], main: Optional[MainMemory] = None
 ) -> tuple[list[list[ParamInfo]], list[nn.Parameter], dict[int, TPSpec]]:
     """This unit's own parameters (skipping nested units and ``ignored``, ids of the
-    ``ignored_params``), deduplicated, in registration order, and the tensor-parallel spec of
-    those that are TP DTensors (keyed by id). Parameters must be on the mesh's device, or on the
+    ``ignored_params``), deduplicated, in registration order, and the ids of those that are
+    DTensors (tensor or expert parallel; their specs are checked later, against the mesh each one
+    is sharded over). Parameters must be on the mesh's device, or on the
     main device under CPU offload (``main``): a model kept on the CPU is sharded from there."""
     module = modules[0]
     infos: dict[int, list[ParamInfo]] = {}
     params: dict[int, nn.Parameter] = {}
-    specs: dict[int, TPSpec] = {}
+    specs: dict[int, Optional[TPSpec]] = {}
 
     def visit(m: nn.Module, prefix: str) -> None:
         for attr, p in m._parameters.items():
             if p is None or id(p) in ignored:
                 continue
             fqn = prefix + attr
-            if isinstance(p, DTensor) and id(p) not in specs:
-                specs[id(p)] = tp_spec_of(p, mesh, fqn, type(module).__name__)
+            if isinstance(p, DTensor):
+                specs[id(p)] = None
             elif type(p) is not nn.Parameter and not isinstance(p, DTensor) and not has_all_gather_extension(p, fqn):
                 raise ValueError(
                     f"mfsdp2: parameter {fqn!r} of {type(module).__name__} is a {type(p).__name__}, a tensor "
@@ -299,6 +302,7 @@ def fully_shard(
             f"'optim_grads_params': {strategy.value!r} gathers the weights once per step and keeps them"
         )
     post_forward_comm = None
+    partial_k = None  # reshard_after_forward=<int> that keeps blocks of k ranks
     is_int = isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool)
     if is_int and not strategy.shards_params:
         raise ValueError(
@@ -316,7 +320,7 @@ def fully_shard(
         if k == comm.world_size or k == 1:
             reshard_after_forward = k == comm.world_size
         else:
-            post_forward_comm = comm.subgroup(k)  # collective: all ranks create the groups together
+            partial_k = k
     name = where  # renamed to its path under the root at the first forward
     ignored = {id(p) for p in ignored_params} if ignored_params else set()
     infos, params, specs = _collect(modules, comm.device, mesh, ignored, main)
@@ -324,9 +328,21 @@ def fully_shard(
     infos, params, sub_infos, sub_params = split_subclass_params(infos, params)
     if main is not None:
         _move_buffers(modules, comm.device)
-    # The dimension each parameter is sharded on (shard_placement_fn; mfsdp2.dtensors.shard_dim).
-    dims = shard_dims(shard_placement_fn, [info[0].fqn for info in infos], params, where,
-                      topology.shard_dim is not None, [id(p) in specs for p in params])
+    fqns = [info[0].fqn for info in infos]
+    # Where each parameter is sharded (shard_placement_fn: a dimension, and maybe a mesh of its
+    # own, mfsdp2.frontend.param_meshes); its model-parallel spec is checked against that mesh.
+    placements = param_meshes.resolve(shard_placement_fn, params, fqns, where, mesh)
+    unit_mesh = MeshComms(mesh, topology, comm, replicate)
+    meshes = mesh_comms(placements, unit_mesh, strategy, where, _communicator)
+    for i, p in enumerate(params):
+        if id(p) in specs:
+            specs[id(p)] = tp_spec_of(p, meshes[i].mesh, fqns[i], type(modules[0]).__name__)
+    dims = shard_dims(param_meshes.answers(params, placements) if shard_placement_fn is not None else None, fqns,
+                      params, where, topology.shard_dim is not None, [specs.get(id(p)) for p in params])
+    if is_int:
+        refuse_partial_reshard(k, meshes, where)
+    if partial_k is not None:
+        post_forward_comm = comm.subgroup(partial_k)  # collective: all ranks create the groups together
     # Tied to a parameter a wrapped child sharded: take it over (for a list, the child must be
     # inside the first module; anything else is refused with advice).
     adopt_shared(modules[0], infos, params)
@@ -341,21 +357,15 @@ def fully_shard(
             f"mfsdp2: {name} mixes parameters on the meta device with materialised ones; build the "
             "whole model under torch.device('meta') (then fully_shard and mfsdp2.materialize) or none of it"
         )
-    by_key: dict[tuple, list[int]] = {}
-    for i, p in enumerate(params):
-        if p.dim() == 0:
-            raise ValueError(
-                f"mfsdp2: parameter {infos[i][0].fqn!r} of {name} is 0-dimensional; FSDP shards dim 0, "
-                "so store it with shape (1,)"
-            )
-        fp8 = mp_policy.all_gather_dtype if p.dim() >= 2 and p.dtype.is_floating_point else None
-        by_key.setdefault((p.dtype, p.requires_grad, fp8), []).append(i)
+    # One group per (mesh, dtype policy): mfsdp2.frontend.param_grouping.
+    by_key = group_indices(params, meshes, fqns, name, mp_policy.all_gather_dtype)
     groups = [
         ParameterGroup(
             name, [infos[i] for i in idx],
             [_tp_local(params[i]) if id(params[i]) in specs else params[i] for i in idx],
-            mesh, comm, comm.device, mp_policy,
-            GroupConfig(strategy, topology.shard_dim, replicate, key[2], main),
+            meshes[idx[0]].mesh, meshes[idx[0]].comm, comm.device, mp_policy,
+            GroupConfig(strategy, meshes[idx[0]].topology.shard_dim, meshes[idx[0]].replicate, key[3], main,
+                        mesh_tag=meshes[idx[0]].tag_within(unit_mesh)),
             tp_specs=[specs.get(id(params[i])) for i in idx], shard_dims=[dims[i] for i in idx],
         )
         for key, idx in by_key.items()

@@ -85,6 +85,7 @@ class GroupConfig:
     replicate_comm: Optional[Communicator] = None
     fp8: Optional[torch.dtype] = None  # gather as this float8 dtype with per-parameter scales (mfsdp2.precision.fp8)
     main_memory: Optional[MainMemory] = None  # where main weights/grads live (None: the compute device)
+    mesh_tag: str = ""  # names a mesh other than the unit's (shard_placement_fn): in the group's name and keys
 
 
 _LIVE = weakref.WeakSet()  # every ParameterGroup alive in the process (clip_grad finds params' groups)
@@ -168,7 +169,8 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         self.main_dtype = mp.main_dtype(self.orig_dtype, self.requires_grad)
         self.grad_dtype = mp.grad_dtype(self.orig_dtype, self.requires_grad)
         self.reduce_dtype = mp.wire_reduce_dtype(self.compute_dtype)
-        tags = ("" if self.requires_grad else ",frozen") + (",fp8" if config.fp8 else "")
+        tags = ("" if self.requires_grad else ",frozen") + (",fp8" if config.fp8 else "") + (
+            f",{config.mesh_tag}" if config.mesh_tag else "")
         self.name = f"{unit_name}[{str(self.orig_dtype).replace('torch.', '')}{tags}]"
 
         itemsize = min(torch.finfo(d).bits if d.is_floating_point else torch.iinfo(d).bits

@@ -161,14 +161,11 @@ def agree_on_gathers(ctx) -> None:
     if checked:
         one = torch.ones((), dtype=torch.float32, device=device)
         parts.append(torch.stack([g.changed_flag(one) for g in checked]))
-    parts += [g.fp8.local_amax() for g in fp8]
+    amaxes = [g.fp8.local_amax() for g in fp8]
+    parts += amaxes
     vec = torch.cat(parts) if len(parts) > 1 else parts[0]
-    # One collective over the shard group (groups of one rank, e.g. no_shard's, need none: their
-    # gathers involve no other rank, and a MAX with the others' flags is merely conservative).
-    comm = next((g.comm for g in groups if g.comm.world_size > 1), None)
-    if comm is not None:
-        label = f"gather agreement (changed flags, fp8 amax) at the forward of step {ctx.step}"
-        comm.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, label=label).wait()
+    label = f"gather agreement (changed flags, fp8 amax) at the forward of step {ctx.step}"
+    _all_reduce_max_per_mesh(vec, groups, [1] * len(checked) + [a.numel() for a in amaxes], label, host=False)
     if checked:
         for g, f in zip(checked, vec[: len(checked)].tolist()):
             g.agreed_stale = f > 0
@@ -182,9 +179,32 @@ def _agree_on_host_facts(ctx, groups: list) -> None:
     if not groups:
         return
     flags = host_tensor([1.0 if g.host_flag() else 0.0 for g in groups], torch.float32)
-    comm = next((g.comm.host() for g in groups if g.comm.world_size > 1), None)
-    if comm is not None:
-        label = f"gather agreement (changed flags, host) at the forward of step {ctx.step}"
-        comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, label=label).wait()
+    label = f"gather agreement (changed flags, host) at the forward of step {ctx.step}"
+    _all_reduce_max_per_mesh(flags, groups, [1] * len(groups), label, host=True)
     for g, f in zip(groups, flags.tolist()):  # a CPU tensor: no device synchronisation
         g.agreed_stale = f > 0
+
+
+def _all_reduce_max_per_mesh(vec: torch.Tensor, groups: list, sizes: list[int], label: str, host: bool) -> None:
+    """MAX of ``vec`` (``sizes[i]`` entries for ``groups[i]``) over each group's shard group.
+
+    Usually every group of a model shares one shard group: one collective (groups of one rank,
+    e.g. no_shard's, need none: their gathers involve no other rank, and a MAX with the others'
+    flags is merely conservative). Groups on per-parameter meshes (experts over their
+    expert-data-parallel mesh) agree with the ranks of their own mesh, one collective per mesh:
+    the ranks of another block of that mesh hold other experts, whose flags and scales are theirs."""
+    by_comm: dict[int, list] = {}
+    start = 0
+    for g, n in zip(groups, sizes):
+        if g.comm.world_size > 1:
+            by_comm.setdefault(id(g.comm.group), [g.comm, []])[1].append((start, start + n))
+        start += n
+    for comm, spans in by_comm.values():
+        c = comm.host() if host else comm
+        if len(by_comm) == 1 and sum(b - a for a, b in spans) == vec.numel():
+            c.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, label=label).wait()
+            continue
+        idx = torch.cat([torch.arange(a, b, device=vec.device) for a, b in spans])
+        sub = vec[idx]
+        c.all_reduce(sub, op=torch.distributed.ReduceOp.MAX, label=label).wait()
+        vec[idx] = sub

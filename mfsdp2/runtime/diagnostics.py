@@ -50,7 +50,7 @@ def _fmt(n: float) -> str:
 
 def describe(model: nn.Module) -> str:
     """Units, groups and bytes on this rank, as a plain-text table (no communication)."""
-    headers = ["unit", "group", "strategy", "params", "elements", "padding", "shard elems", "main weight",
+    headers = ["unit", "group", "mesh", "strategy", "params", "elements", "padding", "shard elems", "main weight",
                "model weight", "main grad", "gathered", "world"]
     rows = []
     tot = dict(main=0, model=0, grad=0, gathered=0, elems=0, padded=0)
@@ -75,9 +75,10 @@ def describe(model: nn.Module) -> str:
         dt = str(g.compute_dtype).replace("torch.", "")
         if g.compute_dtype != g.orig_dtype:
             dt = f"{str(g.orig_dtype).replace('torch.', '')}->{dt}"
-        rows.append([path, dt + ("" if g.requires_grad else " frozen"), strategy, str(len(lay.slots)),
-                     f"{lay.param_numel:,}", f"{lay.padding_fraction:.2%}", f"{S:,}", _fmt(main), _fmt(model_shard),
-                     _fmt(grad), _fmt(gathered), str(lay.world_size)])
+        rows.append([path, dt + ("" if g.requires_grad else " frozen"), _mesh_label(g), strategy, str(len(lay.slots)),
+                     f"{lay.param_numel:,}",
+                     f"{lay.padding_fraction:.2%}", f"{S:,}", _fmt(main), _fmt(model_shard), _fmt(grad),
+                     _fmt(gathered), str(lay.world_size)])
         tot["main"] += main
         tot["model"] += model_shard
         tot["grad"] += grad
@@ -85,7 +86,7 @@ def describe(model: nn.Module) -> str:
         tot["elems"] += lay.param_numel
         tot["padded"] += lay.total_numel
     pad = tot["padded"] / tot["elems"] - 1 if tot["elems"] else 0.0
-    rows.append(["total", "", "", "", f"{tot['elems']:,}", f"{pad:.2%}", "", _fmt(tot["main"]), _fmt(tot["model"]),
+    rows.append(["total", "", "", "", "", f"{tot['elems']:,}", f"{pad:.2%}", "", _fmt(tot["main"]), _fmt(tot["model"]),
                  _fmt(tot["grad"]), "max " + _fmt(tot["gathered"]), ""])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     lines = [" | ".join(h.ljust(w) for h, w in zip(headers, widths)), "-+-".join("-" * w for w in widths)]
@@ -93,9 +94,22 @@ def describe(model: nn.Module) -> str:
     lines.append(
         "main weight / model weight / main grad: bytes each rank holds (main grads only from the first "
         "reduction to the next forward after zero_grad; model weight: the full buffer for strategies that keep "
-        "it); gathered: one unit's transient unsharded buffer while it runs"
+        "it); gathered: one unit's transient unsharded buffer while it runs; mesh: the group's data-parallel "
+        "mesh (a unit's parameters may have several: shard_placement_fn), after '/' the tensor- or "
+        "expert-parallel mesh its parameters are DTensors on"
     )
     return "\n".join(lines)
+
+
+def _mesh_label(g) -> str:
+    """``fsdp=4``; ``efsdp=2 / ep=2`` for expert-parallel parameters sharded over ``efsdp``."""
+    def dims(mesh) -> str:
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        return "x".join(f"{n}={s}" for n, s in zip(names, mesh.shape))
+
+    label = dims(g.mesh)
+    model_parallel = {dims(t.mesh) for t in g.tp_specs if t is not None}
+    return label + "".join(f" / {m}" for m in sorted(model_parallel))
 
 
 def check_buffers(model: nn.Module) -> None:

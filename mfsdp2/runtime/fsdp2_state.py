@@ -101,16 +101,17 @@ class _StateContext:
 
 
 class _MeshInfo:
-    """FSDP2's ``FSDPMeshInfo`` fields of the unit's mesh."""
+    """FSDP2's ``FSDPMeshInfo`` fields of a group's mesh (the unit's, or a parameter's own from
+    ``shard_placement_fn``)."""
 
     def __init__(self, state, group):
-        self.mesh = state.mesh
+        self.mesh = group.mesh
         self.shard_mesh_dim = group.config.shard_dim
         self.shard_mesh_size = group.comm.world_size
         self.shard_mesh_rank = group.comm.rank
         self.shard_process_group = group.comm.group
         self.replicate_mesh_size = group.replicate_comm.world_size if group.replicate_comm is not None else 1
-        self.replicate_mesh_dim = None if state.mesh.ndim == 1 else 0
+        self.replicate_mesh_dim = None if group.mesh.ndim == 1 else 0
 
 
 class _ModuleInfo:

@@ -80,25 +80,30 @@ def agree(ctx: "RootContext", groups: list) -> None:
     The flags are host facts (which unsharded parameters had ``.grad``), so they are agreed over
     the group's gloo twin on the CPU (``Communicator.host``): no device copy and no
     device-to-host read. Every rank reduced the same groups (their reductions matched), so every
-    rank builds the same vector."""
-    comms = [c.host() for c in (groups[0].comm, groups[0].replicate_comm) if c is not None and c.world_size > 1]
-    if not comms:
-        return
-    flags = host_tensor([f for g in groups for f in g.local_grad_flags], torch.uint8)
-    label = f"gradient-presence all-reduce (end of backward, step {ctx.step})"
-    for c in comms:  # over the shard group, then across replicas (HSDP; no_shard's only group)
-        c.all_reduce(flags, op=dist.ReduceOp.MAX, label=label).wait()
-    flat = flags.tolist()  # a CPU tensor: no device synchronisation
-    k = 0
+    rank builds the same vector. Groups sharded over different meshes (per-parameter meshes:
+    experts over their expert-data-parallel mesh) agree over their own mesh's groups, one
+    all-reduce per mesh: the ranks of another mesh block hold other experts."""
+    by_mesh: dict[tuple, list] = {}
     for g in groups:
-        n = len(g.local_grad_flags)
-        # Only the parameters used on other ranks alone: those with a local gradient were exposed
-        # (and hooked) at their reduction, and a post-accumulate-grad hook may have cleared them
-        # since (optimizer-in-backward's zero_grad) -- exposing them again would undo that.
-        others = [a and not b for a, b in zip(flat[k : k + n], g.local_grad_flags)]
-        g.expose_grads(others)
-        g.run_post_accumulate_grad_hooks(others)
-        k += n
+        key = (id(g.comm.group), id(g.replicate_comm.group) if g.replicate_comm is not None else None)
+        by_mesh.setdefault(key, []).append(g)
+    label = f"gradient-presence all-reduce (end of backward, step {ctx.step})"
+    for members in by_mesh.values():
+        comms = [c.host() for c in (members[0].comm, members[0].replicate_comm) if c is not None and c.world_size > 1]
+        flags = host_tensor([f for g in members for f in g.local_grad_flags], torch.uint8)
+        for c in comms:  # over the shard group, then across replicas (HSDP; no_shard's only group)
+            c.all_reduce(flags, op=dist.ReduceOp.MAX, label=label).wait()
+        flat = flags.tolist()  # a CPU tensor: no device synchronisation
+        k = 0
+        for g in members:
+            n = len(g.local_grad_flags)
+            # Only the parameters used on other ranks alone: those with a local gradient were exposed
+            # (and hooked) at their reduction, and a post-accumulate-grad hook may have cleared them
+            # since (optimizer-in-backward's zero_grad) -- exposing them again would undo that.
+            others = [a and not b for a, b in zip(flat[k : k + n], g.local_grad_flags)]
+            g.expose_grads(others)
+            g.run_post_accumulate_grad_hooks(others)
+            k += n
 
 
 def _missing(groups: list) -> list[tuple[str, torch.Tensor]]:

@@ -170,6 +170,22 @@ def test_cli_json(capsys):
     assert "predicted peak" in capsys.readouterr().out
 
 
+def test_cli_moe_geometry_with_expert_parallelism(capsys):
+    """``--moe`` with ``--expert-parallel``: each block's local experts (a quarter of them) form a
+    group of their own over the other 16 ranks (torchtitan's efsdp), sharded on dim 0 (128
+    experts, 16 x 4 ranks). No input given: the layouts only (a traced step of this geometry takes
+    the fake-tensor trace through 6,144 expert matmuls)."""
+    argv = ["--moe", "qwen3-30b-a3b", "--mesh", "64", "--expert-parallel", "4", "--param-dtype", "bf16", "--json"]
+    assert cli_main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    block = d["units"][0]
+    worlds = sorted(g["world"] for g in block["groups"])
+    assert worlds == [16, 64], block["groups"]
+    experts = next(g for g in block["groups"] if g["world"] == 16)
+    assert experts["total_numel"] >= 128 // 4 * 3 * 2048 * 768 and experts["mesh"] == "experts"
+    assert d["config"]["expert_parallel"] == 4 and d["peak_bytes"] == sum(d["at_peak"].values())
+
+
 # -- measured at world size 2 ------------------------------------------------------------------
 
 MEDIUM = dict(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, max_seq_len=32)

@@ -16,7 +16,8 @@ into either, and the next step equals the writer's own next step; ``copy_`` into
 from a full tensor, a ``Replicate`` or a ``Shard(d)`` DTensor; a dim whose size does not divide
 by the world size (FSDP2 refuses it) trains as the unsharded model; meta build + ``materialize``
 equals the normal build; ``model.to(float32)`` keeps the layout; the ``mfsdp2.checkpoint.state_dict``
-helpers refuse such models (E43) and tensor-parallel parameters refuse ``Shard(1)`` (E46);
+helpers refuse such models (E43) and tensor-parallel parameters refuse ``Shard(1)`` on the dim
+their TP placement splits (E46);
 ``load_state_dict`` of FSDP2's ``Shard(d)`` DTensors gives FSDP2's values.
 """
 
@@ -292,14 +293,15 @@ def _facts(mesh, rank: int) -> dict:
 
 
 def _tp_refusal(rank: int) -> str:
-    """A tensor-parallel parameter with Shard(1): refused (E46)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    """A tensor-parallel parameter with Shard(1) where its TP placement splits dim 1 already
+    (row-wise parallel): refused (E46)."""
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
     import mfsdp2
 
     mesh = init_device_mesh("cpu", (1, WS), mesh_dim_names=("dp", "tp"))
     block = nn.Sequential(nn.Linear(4, 4)).double()
-    parallelize_module(block, mesh["tp"], {"0": ColwiseParallel()})
+    parallelize_module(block, mesh["tp"], {"0": RowwiseParallel()})
     try:
         mfsdp2.fully_shard(block, mesh=mesh["dp"], shard_placement_fn=lambda p: _dim1(p) if p.dim() == 2 else None)
     except ValueError as e:

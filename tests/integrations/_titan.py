@@ -47,6 +47,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import _reduce_order
+from . import _titan_moe
+
 VOCAB = 2048  # the debug model's
 SEQ_LEN = 64
 LOCAL_BATCH = 2
@@ -107,6 +110,17 @@ class Run:
     save_every: Optional[int] = None
     resume_from: Optional[str] = None
     resume_step: Optional[int] = None
+    experts: int = 0  # > 0: torchtitan's Qwen3-MoE with this many routed experts (_titan_moe.py)
+    ep: int = 1  # expert-parallel degree (MoE)
+    # FSDP2 runs: "gloo" (FSDP2's own reduce-scatter) or "rank" (summed in rank order, as mfsdp2
+    # does: _reduce_order.py); record_reductions keeps step 1's reduce-scatter inputs and outputs
+    reduce_order: str = "gloo"
+    record_reductions: bool = False
+
+    @property
+    def seed(self) -> str:
+        """The seed checkpoint's run folder: one per model."""
+        return _titan_moe.seed_key(self.experts) if self.experts else "seed"
 
 
 @dataclass
@@ -121,6 +135,8 @@ class Result:
     step_times: list = field(default_factory=list)  # seconds, train_step as torchtitan runs it
     comm: list = field(default_factory=list)  # mfsdp2 runs: comm_stats of each step
     compiled_graphs: int = 0  # graphs dynamo compiled during the run
+    reductions: list = field(default_factory=list)  # Run.record_reductions: step 1's (ranks, input, output)
+    placements: dict = field(default_factory=dict)  # {name: (mesh dim names, placements)} after the build
     error: Optional[str] = None
 
 
@@ -190,21 +206,28 @@ def _quiet() -> None:
     for category in (UserWarning, FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=r"(torchtitan|torchdata|torch)(\.|$)")
     torch._logging.set_logs(dynamo=logging.ERROR)
+    # the observation's full_tensor() of a gradient on a 2-D (ep, efsdp) mesh gathers one dim at a
+    # time, which DTensor logs as suboptimal for every call
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def _fsdp2_fully_shard():
+def _fsdp2_fully_shard(reduce_scatter):
     from torch.distributed.fsdp import fully_shard
 
     def shard(module, **kwargs):
         out = fully_shard(module, **kwargs)
         for m in module if isinstance(module, list) else [module]:
             m.set_force_sum_reduction_for_comms(True)
+        # FSDP2's set_custom_reduce_scatter refuses units with several parameter groups (a
+        # per-parameter mesh), so the object goes on each group as that method would put it
+        for group in fully_shard.state(out if not isinstance(out, list) else out[0])._fsdp_param_groups:
+            group._reduce_scatter_comm = reduce_scatter
         return out
 
     return shard
 
 
-def _bind(impl: str) -> None:
+def _bind(impl: str, reduce_scatter=None) -> None:
     """Point torchtitan's FSDP call sites at ``impl``: the one import a user changes,
     ``fully_shard`` in torchtitan's ``distributed.fsdp``. Its ``isinstance(m, FSDPModule)`` checks
     (the gradient divide factor, the chunked loss's lm_head) keep testing torch's class."""
@@ -217,7 +240,7 @@ def _bind(impl: str) -> None:
 
         tt_fsdp.fully_shard = mfsdp2.fully_shard
     elif impl == "fsdp2":
-        tt_fsdp.fully_shard = _fsdp2_fully_shard()
+        tt_fsdp.fully_shard = _fsdp2_fully_shard(reduce_scatter)
     else:
         raise ValueError(f"unknown implementation {impl!r}")
 
@@ -229,9 +252,12 @@ def _config(root: str, run: Run, seed_checkpoint: bool = False):
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
-    cfg = llama3_debugmodel()
-    for layer in cfg.model_spec.model.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    if run.experts:
+        cfg = _titan_moe.moe_config(root, run.name, run.experts, run.ep)
+    else:
+        cfg = llama3_debugmodel()
+        for layer in cfg.model_spec.model.layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
     cfg.hf_assets_path = os.path.join(root, "tokenizer")
     cfg.dump_folder = os.path.join(root, "runs", run.name)
     cfg.dataloader.dataset_path = os.path.join(root, "data")  # read with the "c4_test" loader
@@ -262,15 +288,15 @@ def _config(root: str, run: Run, seed_checkpoint: bool = False):
         return cfg
     ck.interval = run.save_every or 10**6
     ck.last_save_model_only = True
-    ck.initial_load_path = os.path.join(root, "runs", "seed", "checkpoint", "step-0")
+    ck.initial_load_path = os.path.join(root, "runs", run.seed, "checkpoint", "step-0")
     return cfg
 
 
-def _seed_checkpoint(root: str) -> None:
+def _seed_checkpoint(root: str, experts: int = 0) -> None:
     """torchtitan's seed checkpoint, as ``--checkpoint.create-seed-checkpoint`` writes it: the
     unsharded model initialised from ``--debug.seed``, saved at step 0. Every run starts from
     it, so FSDP2 and mfsdp2 start from the same weights."""
-    cfg = _config(root, Run("seed", "fsdp2"), seed_checkpoint=True)
+    cfg = _config(root, Run(Run("", "fsdp2", experts=experts).seed, "fsdp2", experts=experts), seed_checkpoint=True)
     trainer = cfg.build()
     try:
         trainer.checkpointer.save(curr_step=0, last_step=True)
@@ -319,7 +345,10 @@ def _digests(model, grads: bool) -> tuple[str, float, dict]:
 def _train(root: str, run: Run) -> Result:
     import mfsdp2
 
-    _bind(run.impl)
+    reduce_scatter = None
+    if run.impl == "fsdp2":
+        reduce_scatter = _reduce_order.RankOrderReduceScatter() if run.reduce_order == "rank" else _reduce_order.GlooReduceScatter()
+    _bind(run.impl, reduce_scatter)
     if run.resume_from is not None:
         _take_checkpoint(root, run)
     from torch._dynamo.utils import counters
@@ -329,6 +358,10 @@ def _train(root: str, run: Run) -> Result:
     res = Result()
     trainer = _config(root, run).build()
     model = trainer.model_parts[0]
+    res.placements = {
+        n: (tuple(p.device_mesh.mesh_dim_names or ()), tuple(p.placements)) for n, p in model.named_parameters()
+        if hasattr(p, "placements")
+    }
     try:
         log = trainer.metrics_processor.log
 
@@ -342,9 +375,14 @@ def _train(root: str, run: Run) -> Result:
 
         def timed(data_iterator):
             mfsdp2.comm_stats.reset()
+            recording = run.record_reductions and not res.step_times
+            if recording:
+                reduce_scatter.records = res.reductions
             t0 = time.perf_counter()
             train_step(data_iterator)
             res.step_times.append(time.perf_counter() - t0)
+            if recording:
+                reduce_scatter.records = None
             if run.impl == "mfsdp2":
                 res.comm.append(mfsdp2.comm_stats.as_dict())
 
@@ -374,7 +412,10 @@ def worker(rank: int, world_size: int, root: str, runs: list) -> dict:
     one seed checkpoint for all); results by run name. A run that raises is recorded with its
     error and the others still run."""
     _prepare_process(rank, root)
-    _seed_checkpoint(root)
+    if any(r.experts for r in runs):
+        _titan_moe.install_per_expert_mm()
+    for experts in sorted({r.experts for r in runs}):
+        _seed_checkpoint(root, experts)
     dist.barrier()
     out = {}
     for run in runs:

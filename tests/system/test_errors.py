@@ -103,6 +103,11 @@ EXPECTED = {
     "E63": (TypeError, "FSDP2's protocol calls it as fsdp_pre_all_gather(mesh) or fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)"),
     "E64": (ValueError, "not the sizes and dtypes of its first gather"),
     "E65": (ValueError, "which mfsdp2 supports for ZeRO-3 units on a 1-D mesh; this one gathers it once per step and keeps it"),
+    "E70": (ValueError, "returned a ShardPlacementResult with mesh info DDPMeshInfo for parameter 'weight' of Linear; "
+                        "a per-parameter mesh must shard"),
+    "E71": (ValueError, "parameter 'weight' of Linear is an expert-parallel DTensor on mesh (ep=1)"),
+    "E72": (ValueError, "is sharded over the 2-D (replicate, shard) mesh (rep=1, shard=1) (HSDP)"),
+    "E73": (ValueError, "reshard_after_forward=1 (an int) for Linear, whose parameters are sharded over 2 meshes"),
 }
 
 
@@ -206,6 +211,38 @@ def _pipeline_rows(out: dict, mesh) -> None:
     net.reshard()
 
 
+def _mesh_rows(out: dict, mesh) -> None:
+    """E70-E73: per-parameter meshes (``ShardPlacementResult``) and expert-parallel parameters."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        DDPMeshInfo,
+        FSDPMeshInfo,
+        HSDPMeshInfo,
+        ShardPlacementResult,
+    )
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from mfsdp2 import fully_shard
+
+    def placed(info):
+        return lambda p: ShardPlacementResult(placement=Shard(0), mesh_info=info) if p.dim() == 2 else None
+
+    ddp = DDPMeshInfo(mesh, replicate_mesh_dim=0)
+    _capture(out, "E70", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=placed(ddp)))
+
+    def experts():  # an expert-parallel weight, Shard(0) on a mesh named "ep"
+        m = nn.Linear(3, 4)
+        ep = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+        m.weight = nn.Parameter(distribute_tensor(m.weight.detach(), ep, [Shard(0)]))
+        return m
+
+    _capture(out, "E71", lambda: fully_shard(experts(), mesh=mesh))
+    hsdp = HSDPMeshInfo(init_device_mesh("cpu", (1, 1), mesh_dim_names=("rep", "shard")), shard_mesh_dim=1, replicate_mesh_dim=0)
+    _capture(out, "E72", lambda: fully_shard(experts(), mesh=mesh, shard_placement_fn=placed(hsdp)))
+    own = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group([0]), "cpu", mesh_dim_names=("own",)), shard_mesh_dim=0)
+    _capture(out, "E73", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=placed(own),
+                                             reshard_after_forward=1))
+
+
 def _rows_ws1(rank, ws):
     from mfsdp2 import TracePoolAllocator, fully_shard
     from mfsdp2.checkpoint.fused import join_fused, split_fused
@@ -293,6 +330,7 @@ def _rows_ws1(rank, ws):
 
     _capture(out, "E46", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=lambda p: Replicate()))
     _capture(out, "E47", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=lambda p: Shard(1)))
+    _mesh_rows(out, mesh)
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     _capture(out, "E51", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, mp_policy=fp8,
