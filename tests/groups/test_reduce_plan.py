@@ -9,6 +9,9 @@
   gradients of every step and the weights after it), with the default mean and with a divide
   factor that is not a power of two, which FSDP2 splits into a power-of-two pre-divide and a
   post-divide. AVG in float16, what a reduction without the split would do, rounds differently.
+  Above two ranks FSDP2 gets a reduce-scatter that sums in rank order, as mfsdp2's does
+  (``tests/_reduce_order.py``: gloo's own ring sums in an order that depends on the layout), so
+  only the divisions can differ.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_
 from mfsdp2.groups.reduce_plan import ReducePlan, divide, plan_reduction
 
 from .._dist import run_ranks
+from .._reduce_order import RankOrderReduceScatter
 from ..fsdp2_compat import runtimes, snapshot
 
 
@@ -126,6 +130,10 @@ def _fp16_run(rank: int, ws: int, factor):
             for m in model.modules():
                 if hasattr(m, "set_gradient_divide_factor"):
                     m.set_gradient_divide_factor(factor)
+        if name == "fsdp2" and ws > 2:
+            for m in model.modules():
+                if hasattr(m, "set_custom_reduce_scatter"):
+                    m.set_custom_reduce_scatter(RankOrderReduceScatter())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         record = []
         for step in range(STEPS):

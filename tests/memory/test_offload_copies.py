@@ -65,13 +65,13 @@ def _offloaded(rank, ws):
         x, y = batch(step, 8, 12, dtype=F64)
         pending = {}
         if step == 1:  # copies "in flight" from the last step, and one copy-in
-            pending = {id(g): g.__setattr__("_copy_out_event", _Event()) or g._copy_out_event for g in groups}
+            pending = {id(g): g.__setattr__("copy_out_event", _Event()) or g.copy_out_event for g in groups}
             reads = offload._host_reads[torch.device("cuda", 0)] = _Event()
         model.set_requires_gradient_sync(True)
         loss_fn(model(x[rank * 4 : rank * 4 + 4]), y[rank * 4 : rank * 4 + 4]).backward()
         if step == 1:
             waited = {"copy_out": [pending[id(g)].waited for g in groups],
-                      "left": [g._copy_out_event is not None for g in groups], "copy_in": reads.waited}
+                      "left": [g.copy_out_event is not None for g in groups], "copy_in": reads.waited}
         opt.step()
         opt.zero_grad()
     return waited
