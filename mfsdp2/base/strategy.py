@@ -52,7 +52,7 @@ class ShardingStrategy(enum.Enum):
             return cls(value)
         except ValueError:
             names = ", ".join(repr(s.value) for s in cls)
-            raise ValueError(f"mfsdp2: unknown sharding_strategy {value!r} for {where}; use one of {names}") from None
+            raise ValueError(f"mfsdp2 E34: unknown sharding_strategy {value!r} for {where}; use one of {names}") from None
 
     @property
     def shards_params(self) -> bool:
@@ -88,12 +88,12 @@ class Topology:
         if mesh_ndim == 2:
             if strategy is ShardingStrategy.NO_SHARD:
                 raise ValueError(
-                    f"mfsdp2: sharding_strategy='no_shard' for {where} replicates over every rank: pass a "
+                    f"mfsdp2 E35: sharding_strategy='no_shard' for {where} replicates over every rank: pass a "
                     "1-D mesh over all data-parallel ranks, not a 2-D (replicate, shard) mesh"
                 )
             return cls(1, 0)
         raise ValueError(
-            f"mfsdp2: {where} got a {mesh_ndim}-D mesh; pass a 1-D data-parallel mesh or a 2-D "
+            f"mfsdp2 E05: {where} got a {mesh_ndim}-D mesh; pass a 1-D data-parallel mesh or a 2-D "
             "(replicate, shard) mesh for HSDP (for tensor parallelism, pass the data-parallel "
             "sub-mesh, e.g. mesh['dp'])"
         )

@@ -204,7 +204,7 @@ def units(model: nn.Module) -> list:
                     else "sharded on dim != 0 for some parameters (shard_placement_fn)"
                 )
                 raise ValueError(
-                    f"mfsdp2.checkpoint.state_dict helpers handle row-sharded 1-D layouts (ZeRO-1/2/3 on a 1-D mesh); "
+                    f"mfsdp2 E43: mfsdp2.checkpoint.state_dict helpers handle row-sharded 1-D layouts (ZeRO-1/2/3 on a 1-D mesh); "
                     f"unit {s.name!r} is {kind}. Save and load its model state with model.state_dict() / "
                     "model.load_state_dict() and torch.distributed.checkpoint (dcp.save / dcp.load), which "
                     "handle these placements"
@@ -238,19 +238,19 @@ def check_loadable(state, what: str = "load a state dict into", meta_ok: bool = 
     meta = [g.name for g in state.groups if not g.allocated]
     if meta and not meta_ok:  # writing into meta shards would drop the values without a word
         raise RuntimeError(
-            f"mfsdp2: cannot {what} unit {state.name!r}: the parameters of {meta} are still on the "
+            f"mfsdp2 E50: cannot {what} unit {state.name!r}: the parameters of {meta} are still on the "
             "meta device (the model was built under torch.device('meta')); give them memory first "
             "with model.to_empty(device=...) (or mfsdp2.materialize(model)), then load"
         )
     if state.training_state is not TrainingState.IDLE:
         raise RuntimeError(
-            f"mfsdp2: cannot {what} unit {state.name!r} mid-forward/backward (its state is "
+            f"mfsdp2 E17: cannot {what} unit {state.name!r} mid-forward/backward (its state is "
             f"{state.training_state.value!r}): its gathered weights are in use. Load before the "
             "forward or after optimizer.step()."
         )
     if state.shard_state is not ShardState.SHARDED or any(getattr(g, "kept", None) is not None for g in state.groups):
         raise RuntimeError(
-            f"mfsdp2: cannot {what} unit {state.name!r} while it is unsharded (after unshard(), or a "
+            f"mfsdp2 E18: cannot {what} unit {state.name!r} while it is unsharded (after unshard(), or a "
             "forward whose backward has not run); call reshard() on it (or on the root) first"
         )
 
@@ -364,7 +364,7 @@ def broadcast_tree(tree: Any, group, convert: Callable[[tuple, torch.Tensor], An
         if rank == 0:
             t = flat[path].detach()
             if isinstance(t, DTensor):
-                raise ValueError(f"broadcast_from_rank0 expects full tensors; {path} is a DTensor")
+                raise ValueError(f"mfsdp2 E28: broadcast_from_rank0 expects full tensors; {path} is a DTensor")
             t = t.contiguous()
         else:
             t = torch.empty(v.shape, dtype=v.dtype)

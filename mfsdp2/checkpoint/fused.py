@@ -148,7 +148,7 @@ def split_fused(state_dict: dict, key: str, into: Sequence[str], sizes: Optional
             g["params"] = [x for p in g["params"] for x in (into if p == key else [p])]
         return state_dict
     if key not in state_dict:
-        raise KeyError(f"split_fused: {key!r} is not in the state dict")
+        raise KeyError(f"mfsdp2 E23: split_fused: {key!r} is not in the state dict")
     v = state_dict[key]
     sz = _sizes_for([v], sizes, len(into))
     _replace(state_dict, [key], dict(zip(into, _split_value(v, sz))))
@@ -158,7 +158,7 @@ def split_fused(state_dict: dict, key: str, into: Sequence[str], sizes: Optional
 def _sizes_for(values, sizes: Optional[Sequence[int]], n: int) -> list[int]:
     if sizes is not None:
         if len(sizes) != n:
-            raise ValueError(f"split_fused: {n} names but {len(sizes)} sizes")
+            raise ValueError(f"mfsdp2 E24: split_fused: {n} names but {len(sizes)} sizes")
         return list(sizes)
     for v in values:
         if isinstance(v, torch.Tensor) and v.dim() > 0:
@@ -192,7 +192,7 @@ def join_fused(state_dict: dict, keys: Sequence[str], into: str, rows: Optional[
         return state_dict
     missing = [k for k in keys if k not in state_dict]
     if missing:
-        raise KeyError(f"join_fused: {missing} not in the state dict")
+        raise KeyError(f"mfsdp2 E25: join_fused: {missing} not in the state dict")
     _replace(state_dict, keys, {into: _join_value([state_dict[k] for k in keys], rows)})
     return state_dict
 

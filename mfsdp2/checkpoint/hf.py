@@ -119,7 +119,7 @@ def load_hf_safetensors(model: nn.Module, path: str, *, key_map: KeyMap = None, 
     wanted = {n for items in plan.values() for _, n, _ in items}
     stats.unexpected = sorted(set(where) - wanted)
     if strict and stats.missing:
-        raise KeyError(f"mfsdp2: no tensor in {path} for {stats.missing[:8]} ({len(stats.missing)} in all)")
+        raise KeyError(f"mfsdp2 E26: no tensor in {path} for {stats.missing[:8]} ({len(stats.missing)} in all)")
 
     safe_open = _safe_open()
     for file, items in plan.items():

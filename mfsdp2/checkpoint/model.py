@@ -215,7 +215,7 @@ def _refuse_meta_sources(state, entries, state_dict) -> None:
         src = state_dict[key]
         if isinstance(src, torch.Tensor) and src.is_meta and src is not dp and tuple(src.shape) == tuple(dp.shape):
             raise RuntimeError(
-                f"mfsdp2: cannot load {key!r} into unit {state.name!r}: the state dict's value is on the meta "
+                f"mfsdp2 E59: cannot load {key!r} into unit {state.name!r}: the state dict's value is on the meta "
                 "device (no values; a state dict taken from a model built under torch.device('meta')). "
                 "Load a state dict with values (a checkpoint, or a materialised model's)"
             )

@@ -277,7 +277,7 @@ def _failure(label: str, t: Optional[float], cause) -> str:
     rank = dist.get_rank() if dist.is_initialized() else 0
     limit = f" within {t:g} s" if t is not None else ""
     return (
-        f"mfsdp2: {label or 'a collective'} failed or did not finish{limit} on rank {rank}: another rank "
+        f"mfsdp2 E29: {label or 'a collective'} failed or did not finish{limit} on rank {rank}: another rank "
         "died, hangs, or issued a different sequence of collectives (e.g. it skipped this unit's forward, "
         "or its inputs took another branch through the model). Make every rank run the same units in the "
         f"same order. Cause: {cause!r}"
@@ -428,7 +428,7 @@ class Communicator:
                 for i, r in enumerate(rows)
             )
             raise CollectiveError(
-                f"mfsdp2: the ranks are about to issue different collectives: {seen}. Every rank must run "
+                f"mfsdp2 E33: the ranks are about to issue different collectives: {seen}. Every rank must run "
                 "the same units in the same order (same branches, same skipped modules)"
             )
 
@@ -506,7 +506,7 @@ class Communicator:
         order at every size and world size (at two ranks either order is the same float)."""
         if tensors_overlap(out, inp):
             raise RuntimeError(
-                "reduce_scatter output overlaps its input: a collective that writes into the buffer "
+                "mfsdp2 E19: reduce_scatter output overlaps its input: a collective that writes into the buffer "
                 "it is still reading silently corrupts gradients; pass a separate output tensor"
             )
         comm_stats.reduce_scatter_calls += 1

@@ -123,13 +123,13 @@ def shard_dims(
     if invalid:
         i = invalid[0]
         raise InvalidShardDimError(
-            f"mfsdp2: shard_placement_fn returned {answers[i]!r} for parameter {fqns[i]!r} of {where}, which has "
+            f"mfsdp2 E47: shard_placement_fn returned {answers[i]!r} for parameter {fqns[i]!r} of {where}, which has "
             f"{params[i].dim()} dims; return Shard(d) with -{params[i].dim()} <= d < {params[i].dim()}, or None"
         )
     for i, r in enumerate(answers):
         if not plain[i]:
             raise ValueError(
-                f"mfsdp2: shard_placement_fn returned {r!r} for parameter {fqns[i]!r} of {where}; mfsdp2 "
+                f"mfsdp2 E46: shard_placement_fn returned {r!r} for parameter {fqns[i]!r} of {where}; mfsdp2 "
                 "shards each parameter over a mesh on one dimension: return Shard(d) or None "
                 "(on the unit's mesh), or ShardPlacementResult(Shard(d), mesh_info) for a mesh of its own "
                 "(strided and replicated placements are not supported)"
@@ -143,7 +143,7 @@ def shard_dims(
         if d in split:
             kind = "expert-parallel" if is_expert_parallel(spec.mesh) else "tensor-parallel"
             raise ValueError(
-                f"mfsdp2: shard_placement_fn returned Shard({d}) for the {kind} parameter {fqns[i]!r} of {where}, "
+                f"mfsdp2 E46: shard_placement_fn returned Shard({d}) for the {kind} parameter {fqns[i]!r} of {where}, "
                 f"whose {kind} placements {spec.placements} already split dim {d}; mfsdp2 shards a model-parallel "
                 f"parameter's local tensor on dim 0 or on a dim its {kind} placements do not split: return "
                 "Shard(0), None, or Shard(d) for such a d"

@@ -66,7 +66,7 @@ def tp_spec_of(p: DTensor, dp_mesh: DeviceMesh, fqn: str, where: str) -> TPSpec:
     tp_mesh = p.device_mesh
     if tp_mesh == dp_mesh:
         raise ValueError(
-            f"mfsdp2: parameter {fqn!r} of {where} is already a DTensor on the data-parallel mesh "
+            f"mfsdp2 E02: parameter {fqn!r} of {where} is already a DTensor on the data-parallel mesh "
             f"({p.placements}): fully_shard was applied to a parent before this module (wrap "
             "children first, root last)"
         )
@@ -74,7 +74,7 @@ def tp_spec_of(p: DTensor, dp_mesh: DeviceMesh, fqn: str, where: str) -> TPSpec:
     if dp_mesh.ndim != 1:
         kind = "expert-parallel" if ep else "tensor-parallel"
         raise ValueError(
-            f"mfsdp2: parameter {fqn!r} of {where} is {'an' if ep else 'a'} {kind} DTensor on mesh {_describe(tp_mesh)} with "
+            f"mfsdp2 E72: parameter {fqn!r} of {where} is {'an' if ep else 'a'} {kind} DTensor on mesh {_describe(tp_mesh)} with "
             f"placements {tuple(p.placements)}, and is sharded over the 2-D (replicate, shard) mesh "
             f"{_describe(dp_mesh)} (HSDP); mfsdp2 combines {kind} parameters with a 1-D data-parallel mesh "
             "only: shard them over the shard dimension alone (FSDP), or keep them plain tensors"
@@ -82,7 +82,7 @@ def tp_spec_of(p: DTensor, dp_mesh: DeviceMesh, fqn: str, where: str) -> TPSpec:
     if dp_mesh.ndim != 1 or tp_mesh.ndim != 1 or _dims_in_root(tp_mesh, dp_mesh) is None:
         if ep:
             raise ValueError(
-                f"mfsdp2: parameter {fqn!r} of {where} is an expert-parallel DTensor on mesh {_describe(tp_mesh)} "
+                f"mfsdp2 E71: parameter {fqn!r} of {where} is an expert-parallel DTensor on mesh {_describe(tp_mesh)} "
                 f"with placements {tuple(p.placements)}, but fully_shard shards it over mesh {_describe(dp_mesh)}, "
                 "which is not another dimension of the expert-parallel mesh's parent; shard the experts over "
                 "their expert-data-parallel mesh (the dimension next to the expert-parallel one in the same "
@@ -91,7 +91,7 @@ def tp_spec_of(p: DTensor, dp_mesh: DeviceMesh, fqn: str, where: str) -> TPSpec:
                 "the other parameters, as torchtitan's apply_fsdp_to_decoder does"
             )
         raise ValueError(
-            f"mfsdp2: parameter {fqn!r} of {where} is a DTensor on mesh {_describe(tp_mesh)} with placements "
+            f"mfsdp2 E40: parameter {fqn!r} of {where} is a DTensor on mesh {_describe(tp_mesh)} with placements "
             f"{tuple(p.placements)} that is not the other dimension of the data-parallel mesh's 2-D parent "
             f"(fully_shard shards it over {_describe(dp_mesh)}); build one mesh "
             "init_device_mesh(..., (dp, tp), mesh_dim_names=('dp', 'tp')), parallelise with "

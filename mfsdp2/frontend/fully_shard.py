@@ -53,7 +53,7 @@ _class_cache: dict[type, type] = {}
 
 def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
-        raise RuntimeError("mfsdp2.fully_shard needs torch.distributed initialised (dist.init_process_group)")
+        raise RuntimeError("mfsdp2 E12: mfsdp2.fully_shard needs torch.distributed initialised (dist.init_process_group)")
     accelerator = "cuda" if torch.cuda.is_available() else None
     device_type = devices.default_mesh_device_type(accelerator, dist.get_backend_config())
     return init_device_mesh(device_type, (dist.get_world_size(),))
@@ -88,7 +88,7 @@ def _collect(
                 specs[id(p)] = None
             elif type(p) is not nn.Parameter and not isinstance(p, DTensor) and not has_all_gather_extension(p, fqn):
                 raise ValueError(
-                    f"mfsdp2: parameter {fqn!r} of {type(module).__name__} is a {type(p).__name__}, a tensor "
+                    f"mfsdp2 E44: parameter {fqn!r} of {type(module).__name__} is a {type(p).__name__}, a tensor "
                     "subclass (a lazy module's uninitialised parameter, or a quantised weight such as "
                     "TransformerEngine's Float8Tensor/MXFP8Tensor); mfsdp2 shards plain tensors, "
                     "tensor-parallel DTensors and subclasses defining FSDP2's fsdp_pre_all_gather / "
@@ -164,13 +164,13 @@ def _as_modules(module) -> list[nn.Module]:
             raise TypeError(f"mfsdp2: fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
         if isinstance(m, FSDPModule):
             raise AlreadyShardedError(
-                f"mfsdp2: fully_shard was already applied to this {type(m).__name__}; apply it once per module"
+                f"mfsdp2 E01: fully_shard was already applied to this {type(m).__name__}; apply it once per module"
             )
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             # Nothing would ever call the unit's forward hooks: its parameters would stay sharded
             # DTensors inside the children's forwards (as FSDP2, which refuses these too).
             raise ValueError(
-                f"mfsdp2: fully_shard got a {type(m).__name__}, a container without a forward of its own; "
+                f"mfsdp2 E45: fully_shard got a {type(m).__name__}, a container without a forward of its own; "
                 "apply it to each module in it, or to the parent module that calls them"
             )
     if len({id(m) for m in modules}) != len(modules):
@@ -270,7 +270,7 @@ def fully_shard(
     modules = _as_modules(module)
     if not (allocator is None or isinstance(allocator, BucketAllocator) or allocator in ("caching", "dynamic", "trace_pool")):
         raise ValueError(
-            f"mfsdp2: unknown allocator {allocator!r} for {type(modules[0]).__name__}: use 'caching', 'dynamic', "
+            f"mfsdp2 E08: unknown allocator {allocator!r} for {type(modules[0]).__name__}: use 'caching', 'dynamic', "
             "'trace_pool' or a BucketAllocator instance"
         )
     where = type(modules[0]).__name__ if len(modules) == 1 else "[" + ", ".join(type(m).__name__ for m in modules) + "]"
@@ -286,19 +286,19 @@ def fully_shard(
         _plain_spmd_params(modules, spmd, where)
     topology = Topology.of(mesh.ndim, strategy, where)
     if mesh.get_coordinate() is None:
-        raise ValueError("mfsdp2: this rank is not part of the given mesh")
+        raise ValueError("mfsdp2 E06: this rank is not part of the given mesh")
     comm = _communicator(mesh, topology.shard_dim)
     main = main_memory_for(offload_policy, comm.device, where)
     if main is not None and mp_policy.all_gather_dtype is not None:
         raise ValueError(
-            f"mfsdp2: all_gather_dtype (FP8 all-gather) with CPUOffloadPolicy for {where} is not supported: "
+            f"mfsdp2 E51: all_gather_dtype (FP8 all-gather) with CPUOffloadPolicy for {where} is not supported: "
             "the FP8 scales are agreed and applied on the compute device, the offloaded main weights live "
             "in host memory; drop one of the two (offload_policy, or MixedPrecisionPolicy.all_gather_dtype)"
         )
     replicate = _communicator(mesh, topology.replicate_dim) if topology.replicate_dim is not None else None
     if mp_policy.all_gather_dtype is not None and not strategy.shards_params:
         raise ValueError(
-            f"mfsdp2: all_gather_dtype (FP8 all-gather) for {where} needs sharding_strategy="
+            f"mfsdp2 E37: all_gather_dtype (FP8 all-gather) for {where} needs sharding_strategy="
             f"'optim_grads_params': {strategy.value!r} gathers the weights once per step and keeps them"
         )
     post_forward_comm = None
@@ -306,14 +306,14 @@ def fully_shard(
     is_int = isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool)
     if is_int and not strategy.shards_params:
         raise ValueError(
-            f"mfsdp2: reshard_after_forward={reshard_after_forward} for {where} applies to "
+            f"mfsdp2 E36: reshard_after_forward={reshard_after_forward} for {where} applies to "
             f"sharding_strategy='optim_grads_params' only; {strategy.value!r} keeps the full weights"
         )
     if is_int:
         k = reshard_after_forward
         if k < 1 or comm.world_size % k:
             raise ValueError(
-                f"mfsdp2: reshard_after_forward={k} must be True, False or a divisor of the shard "
+                f"mfsdp2 E07: reshard_after_forward={k} must be True, False or a divisor of the shard "
                 f"group size {comm.world_size} (e.g. the number of ranks per node)"
             )
         # k == world size is a full reshard; k == 1 keeps everything (False), as in FSDP2.
@@ -348,13 +348,13 @@ def fully_shard(
     adopt_shared(modules[0], infos, params)
     if specs and topology.shard_dim is None:
         raise ValueError(
-            f"mfsdp2: {where} has tensor-parallel parameters; sharding_strategy='no_shard' cannot "
+            f"mfsdp2 E41: {where} has tensor-parallel parameters; sharding_strategy='no_shard' cannot "
             "combine with TP here: use a sharding strategy (e.g. 'optim_grads_params')"
         )
     metas = {p.is_meta for p in params}
     if len(metas) > 1:
         raise ValueError(
-            f"mfsdp2: {name} mixes parameters on the meta device with materialised ones; build the "
+            f"mfsdp2 E30: {name} mixes parameters on the meta device with materialised ones; build the "
             "whole model under torch.device('meta') (then fully_shard and mfsdp2.materialize) or none of it"
         )
     # One group per (mesh, dtype policy): mfsdp2.frontend.param_grouping.

@@ -106,7 +106,7 @@ def materialize(model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]]
                 m.reset_parameters()
             else:
                 raise RuntimeError(
-                    f"mfsdp2: module {name or 'root'!r} ({type(m).__name__}) has parameters on the meta "
+                    f"mfsdp2 E31: module {name or 'root'!r} ({type(m).__name__}) has parameters on the meta "
                     f"device ({sorted(saved)}) but no reset_parameters(); pass materialize(model, init_fn=...)"
                 )
             for g, i, attr in slots:

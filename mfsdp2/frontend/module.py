@@ -307,7 +307,7 @@ class FSDPModule(*torch_bases()):
         Like FSDP2's, it applies to this unit only (a script that calls it on each block and the
         root must get FSDP2's gradients); ``recurse=True`` sets every unit under this one."""
         if factor is not None and not factor > 0:
-            raise ValueError(f"mfsdp2: gradient divide factor must be > 0 or None, got {factor!r}")
+            raise ValueError(f"mfsdp2 E39: gradient divide factor must be > 0 or None, got {factor!r}")
         for s in self._units(recurse):
             for g in s.groups:
                 g.divide_factor = None if factor is None else float(factor)
@@ -344,7 +344,7 @@ class FSDPModule(*torch_bases()):
         state = self._mfsdp2_state
         lazy_init(state)
         if depth < 0:
-            raise ValueError(f"prefetch depth must be >= 0, got {depth}")
+            raise ValueError(f"mfsdp2 E10: prefetch depth must be >= 0, got {depth}")
         state.ctx.schedule.prefetch_depth = depth
 
     def set_all_reduce_bucket_cap_mb(self, mb: float) -> None:
@@ -448,7 +448,7 @@ class NotAnFSDPModuleError(TypeError, ValueError):
 
 def _state_of(m) -> FSDPState:
     if not isinstance(m, FSDPModule):
-        raise NotAnFSDPModuleError(f"{type(m).__name__} is not an FSDP module: call fully_shard on it first")
+        raise NotAnFSDPModuleError(f"mfsdp2 E11: {type(m).__name__} is not an FSDP module: call fully_shard on it first")
     return m._mfsdp2_state
 
 

@@ -70,7 +70,7 @@ def mesh_comms(
         if mc is None:
             topology = Topology.of(pl.mesh.ndim, strategy, where)
             if pl.mesh.get_coordinate() is None:
-                raise ValueError(f"mfsdp2: this rank is not part of the mesh shard_placement_fn gave a parameter of {where}")
+                raise ValueError(f"mfsdp2 E06: this rank is not part of the mesh shard_placement_fn gave a parameter of {where}")
             rep = communicator(pl.mesh, topology.replicate_dim) if topology.replicate_dim is not None else None
             mc = MeshComms(pl.mesh, topology, communicator(pl.mesh, topology.shard_dim), rep)
             made[id(pl.mesh)] = mc
@@ -84,7 +84,7 @@ def refuse_partial_reshard(k: int, meshes: Sequence[MeshComms], where: str) -> N
     n = len({m.key for m in meshes})
     if n > 1:
         raise ValueError(
-            f"mfsdp2: reshard_after_forward={k} (an int) for {where}, whose parameters are sharded over {n} "
+            f"mfsdp2 E73: reshard_after_forward={k} (an int) for {where}, whose parameters are sharded over {n} "
             "meshes (shard_placement_fn); a partial reshard keeps blocks of one mesh's ranks, which the other "
             "meshes do not have: pass reshard_after_forward=True or False"
         )
@@ -100,7 +100,7 @@ def group_indices(
     for i, p in enumerate(params):
         if p.dim() == 0:
             raise ValueError(
-                f"mfsdp2: parameter {fqns[i]!r} of {where} is 0-dimensional; FSDP shards dim 0, "
+                f"mfsdp2 E03: parameter {fqns[i]!r} of {where} is 0-dimensional; FSDP shards dim 0, "
                 "so store it with shape (1,)"
             )
         fp8 = all_gather_dtype if p.dim() >= 2 and p.dtype.is_floating_point else None

@@ -55,12 +55,12 @@ def _mesh_of(mesh_info: Any, fqn: str, where: str) -> DeviceMesh:
     )
     if not isinstance(mesh, DeviceMesh) or shard_dim is None:
         raise ValueError(
-            f"mfsdp2: shard_placement_fn returned a ShardPlacementResult with mesh info {kind} for parameter "
+            f"mfsdp2 E70: shard_placement_fn returned a ShardPlacementResult with mesh info {kind} for parameter "
             f"{fqn!r} of {where}; a per-parameter mesh must shard (FSDP or HSDP, as torch FSDP2 requires): {advice}"
         )
     if getattr(mesh_info, "is_spmd_mesh", False):
         raise ValueError(
-            f"mfsdp2: shard_placement_fn returned a ShardPlacementResult for parameter {fqn!r} of {where} whose "
+            f"mfsdp2 E70: shard_placement_fn returned a ShardPlacementResult for parameter {fqn!r} of {where} whose "
             f"mesh info {kind} was built from dp_mesh_dims over a whole SPMD mesh {tuple(mesh_info.spmd_mesh.mesh_dim_names or ())}; "
             "mfsdp2 takes per-parameter meshes as data-parallel sub-meshes: build the mesh info from the sub-mesh "
             "itself (torchtitan: --parallelism.spmd-backend partial_dtensor, where _get_mesh_info gets no "
@@ -71,7 +71,7 @@ def _mesh_of(mesh_info: Any, fqn: str, where: str) -> DeviceMesh:
     )
     if not ok:
         raise ValueError(
-            f"mfsdp2: shard_placement_fn returned a ShardPlacementResult for parameter {fqn!r} of {where} with a "
+            f"mfsdp2 E70: shard_placement_fn returned a ShardPlacementResult for parameter {fqn!r} of {where} with a "
             f"{mesh.ndim}-D mesh {tuple(mesh.mesh_dim_names or ())}, shard_mesh_dim={shard_dim}, "
             f"replicate_mesh_dim={replicate_dim}; {advice}"
         )

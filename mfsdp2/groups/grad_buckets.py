@@ -149,7 +149,7 @@ class GradientBuckets:
         """Bucket size in MiB (0: off, every group all-reduces alone as it is packed). Takes effect
         at the next plan, i.e. from the backward after the next one."""
         if not mb >= 0:
-            raise ValueError(f"mfsdp2: all-reduce bucket size must be >= 0 MiB, got {mb!r}")
+            raise ValueError(f"mfsdp2 E48: all-reduce bucket size must be >= 0 MiB, got {mb!r}")
         self.cap_bytes = int(mb * 2**20)
         for lane in self._lanes.values():
             lane.plan = []

@@ -107,7 +107,7 @@ class ParameterRegistration:
                     cur = info.owner._parameters.get(info.attr)
                     if cur is not self.dist_params[i] and cur is not self.unsharded_params[i]:
                         raise RuntimeError(
-                            f"mfsdp2: parameter {info.fqn!r} of unit {self.unit_name!r} was replaced (or deleted) "
+                            f"mfsdp2 E14: parameter {info.fqn!r} of unit {self.unit_name!r} was replaced (or deleted) "
                             "after fully_shard and the first forward; the runtime owns it now. Change its values "
                             "in place (with torch.no_grad(): param.copy_(...), or load_state_dict) instead of "
                             "assigning a new Parameter, or assign it before the first forward (a DTensor like "
@@ -147,13 +147,13 @@ class ParameterRegistration:
             if dp.untyped_storage()._cdata != recorded[i]:
                 if self.converted_elsewhere(i):
                     raise RuntimeError(
-                        f"mfsdp2: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} was converted "
+                        f"mfsdp2 E58: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} was converted "
                         "(.to / to_empty / .half ...) after the first forward through a module inside the unit "
                         "that is not one of the modules passed to fully_shard; its shard keeps the old values. "
                         "Convert the unit's module (or the whole model), which converts its shards"
                     )
                 raise RuntimeError(
-                    f"mfsdp2: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} had its .data "
+                    f"mfsdp2 E53: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} had its .data "
                     "assigned after fully_shard (p.data = ...); a DTensor parameter ignores that (its "
                     "shard keeps the old values, which would be trained and saved). Write the values "
                     "in place instead: with torch.no_grad(): p.copy_(new) (or p.data.copy_(new))"

@@ -61,7 +61,7 @@ def has_all_gather_extension(t: torch.Tensor, fqn: str = "") -> bool:
     post = hasattr(t, "fsdp_post_all_gather")
     if pre != post:
         raise ValueError(
-            f"mfsdp2: parameter {fqn!r} is a {type(t).__name__} that defines only "
+            f"mfsdp2 E62: parameter {fqn!r} is a {type(t).__name__} that defines only "
             f"{'fsdp_pre_all_gather' if pre else 'fsdp_post_all_gather'}; the all-gather extension needs both "
             "fsdp_pre_all_gather and fsdp_post_all_gather (define the missing one, or neither)"
         )
@@ -90,7 +90,7 @@ def pre_all_gather(local: torch.Tensor, mesh: DeviceMesh, orig_size: torch.Size,
         inputs, metadata = fn(mesh, orig_size, stride, module, policy)
     else:
         raise TypeError(
-            f"mfsdp2: parameter {fqn!r}: {type(local).__name__}.fsdp_pre_all_gather{inspect.signature(fn)} takes "
+            f"mfsdp2 E63: parameter {fqn!r}: {type(local).__name__}.fsdp_pre_all_gather{inspect.signature(fn)} takes "
             f"{n} arguments; FSDP2's protocol calls it as fsdp_pre_all_gather(mesh) or fsdp_pre_all_gather(mesh, "
             "outer_size, outer_stride, module, mp_policy): give it one of those signatures"
         )
@@ -170,7 +170,7 @@ class SubclassParam:
         inputs, self.metadata = pre_all_gather(local, self.mesh, self.orig_size, self.stride, module, policy, self.fqn)
         if local.size() != self.padded_size and any(t.size() != self.padded_size for t in inputs):
             raise ValueError(
-                f"mfsdp2: parameter {self.fqn!r} (a {type(local).__name__} of size {tuple(self.orig_size)}) does not "
+                f"mfsdp2 E64: parameter {self.fqn!r} (a {type(local).__name__} of size {tuple(self.orig_size)}) does not "
                 f"split evenly over {self.world_size} ranks, and its fsdp_pre_all_gather returned inputs of sizes "
                 f"{[tuple(t.size()) for t in inputs]} instead of the padded shard size {tuple(self.padded_size)}; "
                 "make dim 0 a multiple of the world size, or return padded inputs as FSDP2 requires"
@@ -178,7 +178,7 @@ class SubclassParam:
         sizes = [t.size() for t in inputs]
         if self.input_sizes and (sizes != self.input_sizes or [t.dtype for t in inputs] != [o.dtype for o in self.outputs]):
             raise ValueError(
-                f"mfsdp2: parameter {self.fqn!r}: fsdp_pre_all_gather returned {[(tuple(s), t.dtype) for s, t in zip(sizes, inputs)]}, "
+                f"mfsdp2 E64: parameter {self.fqn!r}: fsdp_pre_all_gather returned {[(tuple(s), t.dtype) for s, t in zip(sizes, inputs)]}, "
                 f"not the sizes and dtypes of its first gather; FSDP2 reuses the all-gather outputs, so they must stay fixed"
             )
         self.input_sizes = sizes

@@ -71,7 +71,7 @@ class PipelineStage(_pipelining.PipelineStage):
         resharding = [m._mfsdp2_state.name for m in _units(self.submod) if m._mfsdp2_state.reshard_after_forward]
         if resharding:
             raise ValueError(
-                f"mfsdp2: pipeline stage {self.stage_index}: this schedule runs each micro-batch's weight "
+                f"mfsdp2 E52: pipeline stage {self.stage_index}: this schedule runs each micro-batch's weight "
                 "gradients in a separate pass after later micro-batches' forwards, but units "
                 f"{resharding} reshard their weights after forward: the input pass would then run without "
                 "their gathered parameters and the weight pass would give them no gradient. Shard the "

@@ -218,7 +218,7 @@ def plan_layout(
     ``dims``: per parameter, the dimension whose slices are its rows (default 0 for all).
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise ValueError(f"mfsdp2 E27: world_size must be >= 1, got {world_size}")
     if align < 1:
         raise ValueError(f"align must be >= 1 element, got {align}")
     dims = [int(d) for d in dims] if dims is not None else [0] * len(shapes)

@@ -53,14 +53,14 @@ class MixedPrecisionPolicy:
             and self.main_params_dtype != self.main_grads_dtype
         ):
             raise ValueError(
-                f"mfsdp2: main_grads_dtype={self.main_grads_dtype} differs from main_params_dtype="
+                f"mfsdp2 E42: main_grads_dtype={self.main_grads_dtype} differs from main_params_dtype="
                 f"{self.main_params_dtype}; torch optimizers need each gradient in its parameter's dtype "
                 "(reduce in another dtype with reduce_dtype)"
             )
         fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
         if self.all_gather_dtype is not None and self.all_gather_dtype not in fp8:
             raise ValueError(
-                f"mfsdp2: MixedPrecisionPolicy.all_gather_dtype must be None or a float8 dtype "
+                f"mfsdp2 E38: MixedPrecisionPolicy.all_gather_dtype must be None or a float8 dtype "
                 f"(torch.float8_e4m3fn, torch.float8_e5m2), got {self.all_gather_dtype!r}"
             )
         if self.all_gather_dtype is not None and self.param_dtype in fp8:

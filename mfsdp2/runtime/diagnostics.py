@@ -122,7 +122,7 @@ def check_buffers(model: nn.Module) -> None:
         for (a0, a1, i), (b0, b1, j) in zip(spans, spans[1:]):
             if b0 < a1:
                 raise AssertionError(
-                    f"mfsdp2: unit {path!r}: parameters {names[i]!r} [{a0}, {a1}) and {names[j]!r} "
+                    f"mfsdp2 E22: unit {path!r}: parameters {names[i]!r} [{a0}, {a1}) and {names[j]!r} "
                     f"[{b0}, {b1}) overlap in the flat buffer"
                 )
         if spans and spans[-1][1] > lay.total_numel:
@@ -193,7 +193,7 @@ def check_finite_grads(model: nn.Module) -> None:
     bad = [n for n, f in zip(names, vec.tolist()) if f]
     if bad:
         raise FloatingPointError(
-            f"mfsdp2: non-finite gradients (NaN/Inf) in {len(bad)} parameter(s): {bad[:10]}"
+            f"mfsdp2 E21: non-finite gradients (NaN/Inf) in {len(bad)} parameter(s): {bad[:10]}"
             + (" ..." if len(bad) > 10 else "")
             + "; lower the learning rate, check the loss for overflow, or use a loss scaler"
         )

@@ -181,7 +181,7 @@ def lazy_init(state: FSDPState) -> None:
         # already ran as a root of its own and kept its parameters gathered is another matter.
         if s.shard_state is not ShardState.SHARDED and s is not state and s.ctx is not None:
             raise RuntimeError(
-                f"mfsdp2: unit {s.name!r} is unsharded while {state.name!r} becomes its root; "
+                f"mfsdp2 E13: unit {s.name!r} is unsharded while {state.name!r} becomes its root; "
                 "reshard it (module.reshard()) before running the parent's forward"
             )
     for s in states:
@@ -190,7 +190,7 @@ def lazy_init(state: FSDPState) -> None:
         param_adoption.prepare(s)
         if s is not state and s.allocator_spec is not None and s.allocator_spec is not state.allocator_spec:
             raise ValueError(
-                f"mfsdp2: allocator={s.allocator_spec!r} was given to {s.name!r}, which is not the root; "
+                f"mfsdp2 E09: allocator={s.allocator_spec!r} was given to {s.name!r}, which is not the root; "
                 f"every unit under a root shares the root's allocator: pass it to fully_shard of the root ({state.name!r})"
             )
     if not state.reshard_after_forward_given:
@@ -247,7 +247,7 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
         if state.is_root:
             if ctx.callback_queued:
                 raise RuntimeError(
-                    f"mfsdp2: forward of {state.name!r} started while its backward is still running "
+                    f"mfsdp2 E15: forward of {state.name!r} started while its backward is still running "
                     "(or a previous backward raised before finishing)"
                 )
             ctx.schedule.begin_forward(grad)
@@ -579,7 +579,7 @@ def _final_callback(ctx: RootContext) -> None:
             stuck = [s.name for s in ctx.states if s.training_state is TrainingState.FORWARD]
             if stuck:
                 raise RuntimeError(
-                    f"mfsdp2: backward finished while units {stuck} never finished their forward "
+                    f"mfsdp2 E16: backward finished while units {stuck} never finished their forward "
                     "(an exception inside forward?); call model.reshard() and rerun the step"
                 )
             # Every unit holding unsharded gradients is reduced, whichever forward (or earlier

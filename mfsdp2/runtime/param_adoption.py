@@ -125,7 +125,7 @@ def stage(state, g: ParameterGroup, i: int, value: torch.Tensor, grad: Optional[
 # -- replaced parameter objects ---------------------------------------------------------------
 def _replacement_refused(state, fqn: str, what: str, advice: str) -> RuntimeError:
     return RuntimeError(
-        f"mfsdp2: parameter {fqn!r} of unit {state.name!r} was replaced after fully_shard by {what}; "
+        f"mfsdp2 E56: parameter {fqn!r} of unit {state.name!r} was replaced after fully_shard by {what}; "
         f"{advice}. A replacement made before the first forward is taken when it is a DTensor like the "
         "parameter it replaces, as FSDP2 takes it (nn.Parameter(distribute_tensor(value, p.device_mesh, "
         "p.placements))); or write the values in place (with torch.no_grad(): p.copy_(value), or "
@@ -196,7 +196,7 @@ def adopt_replaced(state) -> None:
             info, new = next(iter(found.values()))
             if state.ctx is not None:
                 raise RuntimeError(
-                    f"mfsdp2: parameter {info.fqn!r} of unit {state.name!r} was replaced (or deleted) after "
+                    f"mfsdp2 E14: parameter {info.fqn!r} of unit {state.name!r} was replaced (or deleted) after "
                     "fully_shard and the first forward; the runtime owns it now. Change its values in place "
                     "(with torch.no_grad(): param.copy_(...), or load_state_dict) instead of assigning a new "
                     "Parameter, or assign it before the first forward (a DTensor like the parameter, as FSDP2 "
@@ -226,7 +226,7 @@ def _take_converted(state, g: ParameterGroup, i: int) -> None:
     fqn = g.infos[i][0].fqn
     if state.ctx is not None:
         raise RuntimeError(
-            f"mfsdp2: parameter {fqn!r} of unit {state.name!r} was converted (.to / to_empty / .half ...) after "
+            f"mfsdp2 E58: parameter {fqn!r} of unit {state.name!r} was converted (.to / to_empty / .half ...) after "
             "the first forward through a module inside the unit that is not one of the modules passed to "
             "fully_shard; its shard keeps the old values. Convert the unit's module (or the whole model), "
             "which converts its shards"
@@ -343,7 +343,7 @@ def prepare(state) -> None:
     meta = [info[0].fqn for g in state.groups for i, info in enumerate(g.infos) if g.dist_params[i].is_meta]
     if meta:
         raise RuntimeError(
-            f"mfsdp2: the parameters {meta} of unit {state.name!r} are still on the meta device (the model was "
+            f"mfsdp2 E04: the parameters {meta} of unit {state.name!r} are still on the meta device (the model was "
             "built under torch.device('meta')); call mfsdp2.materialize(model) after fully_shard and before the "
             "first forward (or FSDP2's recipe: model.to_empty(device=...), then reset_parameters() on each module)"
         )
@@ -352,7 +352,7 @@ def prepare(state) -> None:
             asked = [g.pending.get(i, g.orig_dtype) for i in range(len(g.dist_params))]
             dtypes = {info[0].fqn: str(d).replace("torch.", "") for info, d in zip(g.infos, asked)}
             raise RuntimeError(
-                f"mfsdp2: the parameters of {g.name} have different dtypes after some of them were converted or "
+                f"mfsdp2 E57: the parameters of {g.name} have different dtypes after some of them were converted or "
                 f"replaced ({dtypes}); a group of a unit's parameters keeps one dtype (FSDP2 refuses this too: "
                 "one original dtype per unit). Convert every module of the unit alike (model.to(dtype), or each "
                 "module of fully_shard([...])), or shard the modules that differ as units of their own"

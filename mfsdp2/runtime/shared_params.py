@@ -62,7 +62,7 @@ def adopt_shared(module: nn.Module, infos: list[list["ParamInfo"]], params: list
         path = _path_in(module, state.module)
         if path is None or g not in state.groups:
             raise ValueError(
-                f"mfsdp2: parameter {infos[i][0].fqn!r} of {type(module).__name__} is also used by the unit "
+                f"mfsdp2 E32: parameter {infos[i][0].fqn!r} of {type(module).__name__} is also used by the unit "
                 f"{type(state.module).__name__}, which is not inside it and was wrapped first; a shared parameter "
                 "belongs to the lowest common ancestor of its users: leave all but one of those modules "
                 "unwrapped (e.g. fully_shard the decoder layers and the root, not the embedding and the head)"

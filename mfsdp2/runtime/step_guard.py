@@ -88,7 +88,7 @@ def _check_replaced(optimizer) -> None:
             names = [g.infos[i][0].fqn for i, dp in enumerate(g.dist_params) if original_of(dp) is p]
             name = names[0] if names else f"of shape {tuple(p.shape)}"
             raise StaleParameterError(
-                f"mfsdp2: {type(optimizer).__name__} holds parameter {name!r} of unit {state.name!r} as it "
+                f"mfsdp2 E54: {type(optimizer).__name__} holds parameter {name!r} of unit {state.name!r} as it "
                 "was before fully_shard replaced it with a sharded DTensor parameter; stepping it would "
                 "never change the model (torch FSDP2 trains nothing then, silently). Build the "
                 "optimizer after fully_shard, from model.parameters()"
@@ -157,7 +157,7 @@ def _check_duplicates(optimizer) -> None:
         name, count = next(iter(twice.items()))
         unit = next(units[k][0].name for k in seen if units[k][1] == name)
         raise DuplicateParameterError(
-            f"mfsdp2: {type(optimizer).__name__} holds parameter {name!r} of unit {unit!r} {count} times "
+            f"mfsdp2 E61: {type(optimizer).__name__} holds parameter {name!r} of unit {unit!r} {count} times "
             f"(duplicates: {sorted(twice)}): its parameter lists were rewritten outside add_param_group. "
             "Accelerate's prepare() does that, matching parameters by data_ptr(), which is 0 for every "
             "parameter this rank holds no rows of, so they all become one and the others go missing from "
@@ -195,7 +195,7 @@ def _check_unsynced(optimizer) -> None:
     names = [s.name for _, s in found if any(id(p) in stepped for g in s.groups for p in g.dist_params)]
     if names:
         raise UnsyncedGradientsError(
-            f"mfsdp2: optimizer step while units {names} hold gradients accumulated with gradient sync off "
+            f"mfsdp2 E55: optimizer step while units {names} hold gradients accumulated with gradient sync off "
             "(set_requires_gradient_sync(False), HSDP's set_requires_all_reduce(False), or reductions left in "
             "flight by set_is_last_backward(False)) that no backward completed yet: this step would not use "
             "them. Turn sync back on for the last micro-batch, before its backward: "
@@ -235,7 +235,7 @@ def _check_supported(optimizer) -> None:
             if id(p) in sharded:
                 s, fqn = sharded[id(p)]
                 raise UnsupportedOptimizerError(
-                    f"mfsdp2: torch.optim.{type(optimizer).__name__} cannot step sharded parameter {fqn!r} of unit "
+                    f"mfsdp2 E60: torch.optim.{type(optimizer).__name__} cannot step sharded parameter {fqn!r} of unit "
                     f"{s.name!r}: {why}. Shard that unit with sharding_strategy='no_shard' (every rank holds "
                     "whole parameters), pass such matrices as ignored_params, or step them with another "
                     "optimizer (its vectors are fine)"
@@ -254,7 +254,7 @@ def _check_missed_weights(optimizer) -> None:
         if any(id(dp) in stepped for g in s.groups for dp in g.dist_params):
             s.weights_missed = False
             raise ValueError(
-                f"mfsdp2: unit {s.name!r} reshards its weights after forward, but a backward computed only "
+                f"mfsdp2 E52: unit {s.name!r} reshards its weights after forward, but a backward computed only "
                 "input gradients through it and no backward since computed its weight gradients (a pipeline "
                 "schedule with a separate weight pass: zero bubble, DualPipeV, under torch's PipelineStage); "
                 "this step would miss them. Shard the stage's modules with fully_shard(..., "
@@ -279,7 +279,7 @@ def _check(optimizer, args, kwargs) -> None:
     for ctx, s, g in found:
         if any(id(p) in stepped for p in g.dist_params):
             raise UnreducedGradientsError(
-                f"mfsdp2: optimizer step while unit {s.name!r} (root {ctx.root.name!r}) holds gradients "
+                f"mfsdp2 E49: optimizer step while unit {s.name!r} (root {ctx.root.name!r}) holds gradients "
                 "in its gathered parameters that no backward reduced: they were written after the "
                 "last backward ended (e.g. by torch.distributed.pipelining's zero-bubble weight "
                 "pass with torch's PipelineStage), so this step would ignore them. With pipeline "

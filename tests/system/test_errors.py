@@ -590,6 +590,7 @@ def test_error_row(messages, row):
     got_type, msg = messages[row]
     assert got_type == etype.__name__, f"{row}: expected {etype.__name__}, got {got_type}: {msg}"
     assert fragment in msg, f"{row}: {fragment!r} not in {msg!r}"
+    assert f"mfsdp2 {row}: " in msg, f"{row}: the message does not carry its code ('mfsdp2 {row}: ...'): {msg!r}"
 
 
 def test_every_documented_error_is_exercised():
