@@ -1,10 +1,11 @@
-"""Regenerate the figures of docs/benchmarks.md from the recorded runs in benchmarks/results/.
+"""Regenerate the figures of docs/benchmarks.md, docs/benchmarks_more.md and the goals scorecard in
+CONTRIBUTING.md from the recorded runs in benchmarks/results/.
 
-    python benchmarks/report.py            # rewrite the page's generated blocks and its plots
-    python benchmarks/report.py --check    # exit 1 if the page's blocks differ from the JSON (no plots)
+    python benchmarks/report.py            # rewrite the pages' generated blocks and the plots
+    python benchmarks/report.py --check    # exit 1 if a page's blocks differ from the JSON (no plots)
     python benchmarks/report.py --no-plots # rewrite the blocks only (no matplotlib needed)
 
-The page keeps prose and figures apart: every table lies between ``<!-- report:NAME -->`` and
+Each page keeps prose and figures apart: every table lies between ``<!-- report:NAME -->`` and
 ``<!-- /report:NAME -->`` and is rewritten from the JSON named in ``SOURCES``; the plots
 (``docs/images/bench_*.png``, committed) are drawn from the same data. So a re-recorded JSON changes
 the page by one command, and the page cannot say what the JSON does not (tests/project/test_report.py
@@ -31,6 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 PAGE = os.path.join(REPO, "docs", "benchmarks.md")
+# Every page with generated blocks; each block appears on exactly one of them.
+PAGES = (PAGE, os.path.join(REPO, "docs", "benchmarks_more.md"), os.path.join(REPO, "CONTRIBUTING.md"))
 IMAGES = os.path.join(REPO, "docs", "images")
 
 # The current run behind each part of the page, and the command that records it.
@@ -662,16 +665,28 @@ def page_blocks(text: str) -> dict[str, str]:
     return {m.group(2): m.group(3) for m in MARK.finditer(text)}
 
 
-def rewrite(text: str, blocks: dict[str, str]) -> str:
-    found = page_blocks(text)
-    unknown = set(found) - set(blocks)
+def rewrite(text: str, blocks: dict[str, str], page: str = "the page") -> str:
+    """``text`` with its generated blocks replaced; refuses markers report.py does not know."""
+    unknown = set(page_blocks(text)) - set(blocks)
     if unknown:
-        raise ValueError(f"docs/benchmarks.md has report markers report.py does not know: {sorted(unknown)}")
-    absent = set(blocks) - set(found)
-    if absent:
-        raise ValueError(f"docs/benchmarks.md lacks the markers of {sorted(absent)}: add "
-                         "'<!-- report:NAME -->' / '<!-- /report:NAME -->' pairs where they go")
+        raise ValueError(f"{page} has report markers report.py does not know: {sorted(unknown)}")
     return MARK.sub(lambda m: m.group(1) + blocks[m.group(2)] + m.group(4), text)
+
+
+def rewrite_pages(texts: dict[str, str], blocks: dict[str, str]) -> dict[str, str]:
+    """Every page rewritten; every block must be on exactly one page."""
+    where: dict[str, list[str]] = {}
+    for path, text in texts.items():
+        for name in page_blocks(text):
+            where.setdefault(name, []).append(os.path.relpath(path, REPO))
+    absent = set(blocks) - set(where)
+    if absent:
+        raise ValueError(f"no page has the markers of {sorted(absent)}: add "
+                         "'<!-- report:NAME -->' / '<!-- /report:NAME -->' pairs where they go")
+    twice = {name: pages for name, pages in where.items() if len(pages) > 1}
+    if twice:
+        raise ValueError(f"blocks on several pages: {twice}")
+    return {path: rewrite(text, blocks, os.path.relpath(path, REPO)) for path, text in texts.items()}
 
 
 # -- plots -------------------------------------------------------------------------------------------
@@ -717,8 +732,13 @@ def _grouped_bars(ax, labels: list[str], series: list[tuple[str, str, list[float
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=20, ha="right")
     ax.set_ylabel(ylabel)
-    ax.legend()
+    _legend_outside(ax)
     ax.grid(axis="y", alpha=0.3)
+
+
+def _legend_outside(ax, **kw) -> None:
+    """The legend beside the axes, never over the data."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, **kw)
 
 
 def plot_compare(fig_fn) -> list[str]:
@@ -755,7 +775,7 @@ def plot_compare(fig_fn) -> list[str]:
         ax.set_xticklabels([lab for _, lab in FRAMEWORKS])
         ax.set_ylabel("MiB at the peak (rank 0)")
         ax.set_title(f"{case_name(c)}: what is live at the peak")
-        ax.legend(fontsize=7, ncol=2, loc="upper right")
+        _legend_outside(ax)
     out.append(_save(fig, "bench_peak_breakdown.png"))
     return out
 
@@ -776,7 +796,7 @@ def plot_scale(fig_fn) -> list[str]:
     a.set_xlabel("ranks (1-D mesh)")
     a.set_ylabel("GiB per rank")
     a.set_title("Memory per rank (dotted: 16 P / N + 6 P_u)")
-    a.legend()
+    _legend_outside(a)
     a.grid(alpha=0.3)
     for layers in sorted({x["layers"] for x in d["steps"]}):
         pts = sorted((x["mesh"][0], x) for x in d["steps"] if x["layers"] == layers and len(x["mesh"]) == 1)
@@ -788,7 +808,7 @@ def plot_scale(fig_fn) -> list[str]:
     b.set_xlabel("ranks (fake process group)")
     b.set_ylabel("ms per step")
     b.set_title("Narrow model: step and mfsdp2's own time")
-    b.legend(fontsize=8)
+    _legend_outside(b)
     b.grid(alpha=0.3)
     out.append(_save(fig, "bench_scale.png"))
     return out
@@ -840,22 +860,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="compare the page with the JSON; rewrite nothing")
     p.add_argument("--no-plots", action="store_true", help="rewrite the tables only")
-    p.add_argument("--page", default=PAGE)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    with open(args.page) as f:
-        text = f.read()
-    new = rewrite(text, render_blocks())
+    texts = {}
+    for path in PAGES:
+        with open(path) as f:
+            texts[path] = f.read()
+    new = rewrite_pages(texts, render_blocks())
+    stale = [path for path in PAGES if new[path] != texts[path]]
     if args.check:
-        if new != text:
-            sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True), args.page, "generated"))
-            log.error("%s is out of date: run python benchmarks/report.py", args.page)
-            return 1
-        return 0
-    if new != text:
-        with open(args.page, "w") as f:
-            f.write(new)
-        log.info("rewrote %s", os.path.relpath(args.page, REPO))
+        for path in stale:
+            sys.stdout.writelines(difflib.unified_diff(texts[path].splitlines(True), new[path].splitlines(True),
+                                                       path, "generated"))
+            log.error("%s is out of date: run python benchmarks/report.py", path)
+        return 1 if stale else 0
+    for path in stale:
+        with open(path, "w") as f:
+            f.write(new[path])
+        log.info("rewrote %s", os.path.relpath(path, REPO))
     if not args.no_plots:
         for path in plot_all():
             log.info("wrote %s", os.path.relpath(path, REPO))

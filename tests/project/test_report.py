@@ -1,6 +1,8 @@
-"""docs/benchmarks.md shows what the committed JSON in benchmarks/results/ says: every generated
-block of the page equals what benchmarks/report.py renders from that JSON (tables only; no
-matplotlib), every block report.py knows has its markers, and every plot the page shows exists."""
+"""docs/benchmarks.md, docs/benchmarks_more.md and CONTRIBUTING.md's scorecard show what the
+committed JSON in benchmarks/results/ says: every generated block of those pages equals what
+benchmarks/report.py renders from that JSON (tables only; no matplotlib), every block report.py
+knows has its markers on exactly one page, every plot a page shows exists, and the results page
+stays under 400 lines."""
 
 from __future__ import annotations
 
@@ -26,18 +28,28 @@ def report():
 
 
 @pytest.fixture(scope="module")
-def page(report):
-    with open(report.PAGE) as f:
-        return f.read()
+def pages(report):
+    out = {}
+    for path in report.PAGES:
+        with open(path) as f:
+            out[path] = f.read()
+    return out
 
 
-def test_page_tables_equal_what_report_generates_from_the_committed_json(report, page):
+@pytest.fixture(scope="module")
+def page(pages):
+    return "".join(pages.values())
+
+
+def test_page_tables_equal_what_report_generates_from_the_committed_json(report, pages):
     generated = report.render_blocks()
-    on_page = report.page_blocks(page)
-    assert set(on_page) == set(generated), (
-        f"markers on the page {sorted(on_page)} vs blocks report.py renders {sorted(generated)}")
-    stale = [name for name in generated if on_page[name] != generated[name]]
-    assert not stale, f"docs/benchmarks.md is out of date in {stale}: run python benchmarks/report.py"
+    assert report.rewrite_pages(pages, generated) == pages, "a page is out of date: run python benchmarks/report.py"
+    on_pages = [name for text in pages.values() for name in report.page_blocks(text)]
+    assert sorted(on_pages) == sorted(generated)
+
+
+def test_results_page_is_short(report, pages):
+    assert len(pages[report.PAGE].splitlines()) < 400
 
 
 def test_every_source_the_page_uses_is_committed(report):
@@ -58,8 +70,10 @@ def test_rewrite_replaces_only_the_blocks_and_refuses_unknown_markers(report):
     assert report.rewrite(text, {"a": "new\n"}) == "intro\n<!-- report:a -->\nnew\n<!-- /report:a -->\nprose\n"
     with pytest.raises(ValueError, match="does not know"):
         report.rewrite(text, {})
-    with pytest.raises(ValueError, match="lacks the markers"):
-        report.rewrite(text, {"a": "x\n", "b": "y\n"})
+    with pytest.raises(ValueError, match="no page has the markers"):
+        report.rewrite_pages({"p.md": text}, {"a": "x\n", "b": "y\n"})
+    with pytest.raises(ValueError, match="several pages"):
+        report.rewrite_pages({"p.md": text, "q.md": text}, {"a": "x\n"})
 
 
 def test_a_missing_source_renders_as_the_command_that_records_it(report, monkeypatch, tmp_path):
