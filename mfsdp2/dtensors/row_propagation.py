@@ -69,7 +69,6 @@ import functools
 import logging
 from typing import Any, Optional
 
-import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
