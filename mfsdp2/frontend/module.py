@@ -447,7 +447,8 @@ class NotAnFSDPModuleError(TypeError, ValueError):
 
 def _state_of(m) -> FSDPState:
     if not isinstance(m, FSDPModule):
-        raise NotAnFSDPModuleError(f"mfsdp2 E11: {type(m).__name__} is not an FSDP module: call fully_shard on it first")
+        raise NotAnFSDPModuleError(f"mfsdp2 E11: {type(m).__name__} is not an FSDP module: "
+                                   "call fully_shard on it first")
     return m._mfsdp2_state
 
 
