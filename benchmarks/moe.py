@@ -213,7 +213,8 @@ def main(argv=None) -> int:
     memory = {(c, f): C.run_ranks(memory_worker, WS, c, f) for c in cases for f in FRAMEWORKS}
     result = summarize(per_rank, memory, cases, a.steps)
     result.update(machine=C.machine_info(), date=C.now_iso(), wall_s=time.time() - t0,
-                  fsdp2_tuned=C.fsdp2_tuned("cpu"), command=" ".join(["python", "benchmarks/moe.py"] + (argv or sys.argv[1:])))
+                  fsdp2_tuned=C.fsdp2_tuned("cpu"),
+                  command=" ".join(["python", "benchmarks/moe.py"] + (argv or sys.argv[1:])))
     rows = []
     for c in result["cases"]:
         for f in FRAMEWORKS:

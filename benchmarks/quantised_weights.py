@@ -215,7 +215,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(dict(machine=C.machine_info(), when=C.now_iso(), rounds=args.rounds, quiet_before=quiet,
                            load_average_before=load_before, wall_s=time.time() - t0, results=results,
-                           command="python benchmarks/quantised_weights.py --json benchmarks/results/quantised_weights.json"), f, indent=1)
+                           command="python benchmarks/quantised_weights.py "
+                                   "--json benchmarks/results/quantised_weights.json"), f, indent=1)
 
 
 if __name__ == "__main__":

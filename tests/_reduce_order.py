@@ -67,8 +67,8 @@ class RankOrderReduceScatter(ReduceScatter):
 
 
 class GlooReduceScatter(ReduceScatter):
-    """FSDP2's own call (``dist.reduce_scatter_tensor``, as torch's default object makes it), recording step-1 calls into ``records``
-    when it is a list: (the group's ranks, the input, the output)."""
+    """FSDP2's own call (``dist.reduce_scatter_tensor``, as torch's default object makes it), recording
+    step-1 calls into ``records`` when it is a list: (the group's ranks, the input, the output)."""
 
     def __init__(self):
         self.records: Optional[list] = None

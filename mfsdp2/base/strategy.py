@@ -52,7 +52,8 @@ class ShardingStrategy(enum.Enum):
             return cls(value)
         except ValueError:
             names = ", ".join(repr(s.value) for s in cls)
-            raise ValueError(f"mfsdp2 E34: unknown sharding_strategy {value!r} for {where}; use one of {names}") from None
+            raise ValueError(f"mfsdp2 E34: unknown sharding_strategy {value!r} for {where}; "
+                             f"use one of {names}") from None
 
     @property
     def shards_params(self) -> bool:

@@ -204,7 +204,8 @@ def units(model: nn.Module) -> list:
                     else "sharded on dim != 0 for some parameters (shard_placement_fn)"
                 )
                 raise ValueError(
-                    f"mfsdp2 E43: mfsdp2.checkpoint.state_dict helpers handle row-sharded 1-D layouts (ZeRO-1/2/3 on a 1-D mesh); "
+                    f"mfsdp2 E43: mfsdp2.checkpoint.state_dict helpers handle row-sharded 1-D layouts "
+                    "(ZeRO-1/2/3 on a 1-D mesh); "
                     f"unit {s.name!r} is {kind}. Save and load its model state with model.state_dict() / "
                     "model.load_state_dict() and torch.distributed.checkpoint (dcp.save / dcp.load), which "
                     "handle these placements"

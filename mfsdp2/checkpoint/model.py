@@ -129,7 +129,8 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, loca
             state_dict[key] = dp
         elif _generic(dp):
             local = dp._local_tensor.detach()
-            out = wrap_local(local, dp.device_mesh, dp.placements, dp.shape, dp.stride())  # offloaded: stays on the host
+            # offloaded: stays on the host
+            out = wrap_local(local, dp.device_mesh, dp.placements, dp.shape, dp.stride())
             if local.numel() == 0 and dp.numel() > 0:
                 mark_write_nothing(out)
             state_dict[key] = out
@@ -146,7 +147,8 @@ def _same_placements(a, b) -> bool:
     """Placements that put the same elements on every rank: ``RowShard`` compares equal to a plain
     ``Shard`` of its dim (for DTensor's rules), but its rows are torch.chunk's only by chance."""
     return len(a) == len(b) and all(
-        x == y and isinstance(x, RowShard) == isinstance(y, RowShard) and getattr(x, "rows", None) == getattr(y, "rows", None)
+        x == y and isinstance(x, RowShard) == isinstance(y, RowShard)
+        and getattr(x, "rows", None) == getattr(y, "rows", None)
         for x, y in zip(a, b)
     )
 
@@ -199,7 +201,8 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
         g.allocate()
     written = {
         id(dp) for k, dp, _ in entries
-        if state_dict[k] is not dp and isinstance(state_dict[k], torch.Tensor) and tuple(state_dict[k].shape) == tuple(dp.shape)
+        if state_dict[k] is not dp and isinstance(state_dict[k], torch.Tensor)
+        and tuple(state_dict[k].shape) == tuple(dp.shape)
     }
     with torch.no_grad():
         _write_main_weights(entries, state_dict)

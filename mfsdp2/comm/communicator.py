@@ -51,7 +51,9 @@ __all__ = [
 # Fail-fast: how long a CPU rank waits for one collective before giving up (None: as long as the
 # process group allows, 30 min by default). A rank that died, hangs or issued a different sequence
 # of collectives then surfaces as a CollectiveError naming the unit and step on the waiting ranks.
-_timeout_s: Optional[float] = float(os.environ["MFSDP2_COLLECTIVE_TIMEOUT_S"]) if os.environ.get("MFSDP2_COLLECTIVE_TIMEOUT_S") else None
+_timeout_s: Optional[float] = (
+    float(os.environ["MFSDP2_COLLECTIVE_TIMEOUT_S"]) if os.environ.get("MFSDP2_COLLECTIVE_TIMEOUT_S") else None
+)
 
 
 def set_collective_timeout(seconds: Optional[float]) -> None:
@@ -181,7 +183,9 @@ class CommHandle:
 
     __slots__ = ("_work", "_event", "_then", "_inner", "_keep", "_error", "label")
 
-    def __init__(self, work=None, event=None, then=None, label: str = "", inner: "Optional[CommHandle]" = None, keep=None):
+    def __init__(
+        self, work=None, event=None, then=None, label: str = "", inner: "Optional[CommHandle]" = None, keep=None
+    ):
         self._work = work  # a torch Work, or a list of them (point-to-point exchanges)
         self._event = event
         self._then = then
@@ -343,7 +347,8 @@ class Communicator:
         """Issue this communicator's collectives on ``other``'s side streams (``share_comm_ctx``:
         several roots, e.g. pipeline stages, that should not each hold three streams)."""
         if other.device != self.device:
-            raise ValueError(f"mfsdp2: cannot share the streams of a {other.device} communicator with a {self.device} one")
+            raise ValueError(f"mfsdp2: cannot share the streams of a {other.device} communicator "
+                             f"with a {self.device} one")
         self.ag_stream, self.rs_stream, self.ar_stream = other.ag_stream, other.rs_stream, other.ar_stream
 
     def subgroup(self, size: int) -> "Communicator":
@@ -574,7 +579,8 @@ class Communicator:
         # before writing each element. The other n-2 go to ``scratch``.
         peers = [s for s in range(n) if s != r]
         if n > 2:
-            rest = scratch.view(n - 2, S) if scratch is not None else torch.empty((n - 2, S), dtype=inp.dtype, device=inp.device)
+            rest = (scratch.view(n - 2, S) if scratch is not None
+                    else torch.empty((n - 2, S), dtype=inp.dtype, device=inp.device))
         into = {src: (out if i == 0 else rest[i - 1]) for i, src in enumerate(peers)}
         works = []
         for k in range(1, n):  # staggered peers so every pair exchanges at once
@@ -603,7 +609,8 @@ class Communicator:
             return _DONE
         if group is self.group:
             self.verify(label, tensor.numel())
-        native_avg = self._native_avg if group is self.group else reduce_op_support(group_backend(group, self.device.type))[1]
+        native_avg = (self._native_avg if group is self.group
+                      else reduce_op_support(group_backend(group, self.device.type))[1])
         emulate_avg = op == dist.ReduceOp.AVG and not native_avg
         wire_op = dist.ReduceOp.SUM if emulate_avg else op
         handle = self._launch(

@@ -203,7 +203,8 @@ def wrap_local(
     records autograd history and already lives on the mesh's device type; callers here wrap
     parameters, gradients and state-dict entries, which do not."""
     if local.requires_grad and torch.is_grad_enabled() and (local.device.type == mesh.device_type or local.is_meta):
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride))
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                  stride=tuple(stride))
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=local.requires_grad)
 

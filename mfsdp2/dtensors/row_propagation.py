@@ -37,7 +37,8 @@ the split of the first of them that already is (for an in-place op: ``self``, wh
 result keeps), and the outputs carry it. DTensor then redistributes the others; the wrapped
 ``redistribute_local_tensor`` (what its dispatcher calls) moves the rows through ``Replicate``
 where two dim-0 splits differ, and reduces a ``Partial`` into our rows the same way (its own
-reduce-scatter splits by ``torch.chunk``; :mod:`mfsdp2.dtensors.row_splits`). So ``p + q`` holds ``p``'s rows, ``q + p`` ``q``'s.
+reduce-scatter splits by ``torch.chunk``; :mod:`mfsdp2.dtensors.row_splits`). So ``p + q`` holds
+``p``'s rows, ``q + p`` ``q``'s.
 
 Transposes. ``p.T`` (Muon's Newton-Schulz iteration works on it, so does user code) holds our rows
 along tensor dim 1; DTensor labelled it a plain ``Shard(1)``, and the next op that moved it --
@@ -69,7 +70,6 @@ import functools
 import logging
 from typing import Any, Optional
 
-import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -273,7 +273,8 @@ def _align(op_schema, out, move: bool) -> bool:
                 # whose rows the result keeps, an optimizer's parameter). None: every such input
                 # is gathered, reduced or re-split first, DTensor's own plan.
                 ref = next(
-                    (_get(args, p).placements[d] for p in members if _current_split(args, want, p, d, n, k) is not None),
+                    (_get(args, p).placements[d] for p in members
+                     if _current_split(args, want, p, d, n, k) is not None),
                     None,
                 )
                 if ref is None:

@@ -74,7 +74,8 @@ def tp_spec_of(p: DTensor, dp_mesh: DeviceMesh, fqn: str, where: str) -> TPSpec:
     if dp_mesh.ndim != 1:
         kind = "expert-parallel" if ep else "tensor-parallel"
         raise ValueError(
-            f"mfsdp2 E72: parameter {fqn!r} of {where} is {'an' if ep else 'a'} {kind} DTensor on mesh {_describe(tp_mesh)} with "
+            f"mfsdp2 E72: parameter {fqn!r} of {where} is {'an' if ep else 'a'} {kind} DTensor "
+            f"on mesh {_describe(tp_mesh)} with "
             f"placements {tuple(p.placements)}, and is sharded over the 2-D (replicate, shard) mesh "
             f"{_describe(dp_mesh)} (HSDP); mfsdp2 combines {kind} parameters with a 1-D data-parallel mesh "
             "only: shard them over the shard dimension alone (FSDP), or keep them plain tensors"

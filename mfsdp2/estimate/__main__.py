@@ -66,8 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--llama", choices=sorted(LLAMA3) + ["demo"], help="a Llama-3 geometry or the demo decoder")
     src.add_argument("--model", metavar="MODULE:CALLABLE", help="a factory of your model (built on meta)")
-    src.add_argument("--moe", choices=["tiny", "bench"] + sorted(MOE), help="a mixture-of-experts decoder (mfsdp2.models.moe)")
-    p.add_argument("--expert-parallel", type=int, default=1, help="--moe: expert-parallel degree (a divisor of the shard size)")
+    src.add_argument("--moe", choices=["tiny", "bench"] + sorted(MOE),
+                     help="a mixture-of-experts decoder (mfsdp2.models.moe)")
+    p.add_argument("--expert-parallel", type=int, default=1,
+                   help="--moe: expert-parallel degree (a divisor of the shard size)")
     p.add_argument("--kwargs", default="{}", help="JSON keyword arguments for --model")
     p.add_argument("--units", metavar="CLASS",
                    help="module:Class or a class name in the model: the units wrapped before the root")

@@ -145,16 +145,19 @@ def estimate_memory(
                              f"divisor of the shard group size {shard_world}")
         raf = True if int(raf) == shard_world else (False if int(raf) == 1 else int(raf))
     if expert_parallel < 1 or shard_world % expert_parallel:
-        raise ValueError(f"mfsdp2.estimate_memory: expert_parallel={expert_parallel} must divide the shard group size {shard_world}")
+        raise ValueError(f"mfsdp2.estimate_memory: expert_parallel={expert_parallel} must divide "
+                         f"the shard group size {shard_world}")
     if expert_parallel > 1:
         if experts is None:
-            raise ValueError("mfsdp2.estimate_memory: expert_parallel > 1 needs experts= (which parameters are the routed experts)")
+            raise ValueError("mfsdp2.estimate_memory: expert_parallel > 1 needs experts= "
+                             "(which parameters are the routed experts)")
         if not isinstance(raf, bool):
-            raise ValueError(f"mfsdp2.estimate_memory: reshard_after_forward={reshard_after_forward!r} (an int) with expert "
-                             "parallelism: units sharded over several meshes take True or False (E73)")
+            raise ValueError(f"mfsdp2.estimate_memory: reshard_after_forward={reshard_after_forward!r} (an int) "
+                             "with expert parallelism: units sharded over several meshes take True or False (E73)")
         odd = [n for n, p in model.named_parameters() if experts(n, p) and p.shape[0] % expert_parallel]
         if odd:
-            raise ValueError(f"mfsdp2.estimate_memory: expert weights {odd[:3]} do not split over expert_parallel={expert_parallel} on dim 0")
+            raise ValueError(f"mfsdp2.estimate_memory: expert weights {odd[:3]} do not split over "
+                             f"expert_parallel={expert_parallel} on dim 0")
     spec = OPTIMIZERS[optimizer]
     impl = optimizer_impl if optimizer_impl != "auto" else ("foreach" if device == "cuda" else "single")
     notes: list[str] = []

@@ -268,8 +268,8 @@ class _Sim:
             if self._bucketed(g):
                 self.reserve(u, g)
             else:
-                if self.cfg.strategy is ShardingStrategy.NO_SHARD and self.cfg.replicate_world == 1 and self._direct(g) \
-                        and (u, g.index) not in self.main_grad:
+                if self.cfg.strategy is ShardingStrategy.NO_SHARD and self.cfg.replicate_world == 1 \
+                        and self._direct(g) and (u, g.index) not in self.main_grad:
                     self.ensure_main_grad(u, g)  # one rank: the main gradient is the buffer itself
                     out = False
                 else:

@@ -53,7 +53,8 @@ _class_cache: dict[type, type] = {}
 
 def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
-        raise RuntimeError("mfsdp2 E12: mfsdp2.fully_shard needs torch.distributed initialised (dist.init_process_group)")
+        raise RuntimeError("mfsdp2 E12: mfsdp2.fully_shard needs torch.distributed initialised "
+                           "(dist.init_process_group)")
     accelerator = "cuda" if torch.cuda.is_available() else None
     device_type = devices.default_mesh_device_type(accelerator, dist.get_backend_config())
     return init_device_mesh(device_type, (dist.get_world_size(),))
@@ -67,7 +68,8 @@ def _communicator(mesh: DeviceMesh, dim: Optional[int]) -> Communicator:
 
 
 def _collect(
-    modules: list[nn.Module], device: torch.device, mesh: DeviceMesh, ignored: set[int], main: Optional[MainMemory] = None
+    modules: list[nn.Module], device: torch.device, mesh: DeviceMesh, ignored: set[int],
+    main: Optional[MainMemory] = None
 ) -> tuple[list[list[ParamInfo]], list[nn.Parameter], dict[int, TPSpec]]:
     """This unit's own parameters (skipping nested units and ``ignored``, ids of the
     ``ignored_params``), deduplicated, in registration order, and the ids of those that are
@@ -190,7 +192,8 @@ def _dp_mesh(mesh: DeviceMesh, dims, strategy: ShardingStrategy, where: str) -> 
     shard, rep = tuple(dims.shard_names), tuple(dims.replicate_names)
     for n in shard + rep:
         if n not in names:
-            raise ValueError(f"mfsdp2: dp_mesh_dims names {n!r} for {where}, which is not one of the mesh's dims {names}")
+            raise ValueError(f"mfsdp2: dp_mesh_dims names {n!r} for {where}, "
+                             f"which is not one of the mesh's dims {names}")
     others = [n for n in names if n not in shard + rep]
     if others:
         raise ValueError(
@@ -268,7 +271,8 @@ def fully_shard(
     or ``"no_shard"`` (DDP); see :mod:`mfsdp2.base.strategy`.
     """
     modules = _as_modules(module)
-    if not (allocator is None or isinstance(allocator, BucketAllocator) or allocator in ("caching", "dynamic", "trace_pool")):
+    if not (allocator is None or isinstance(allocator, BucketAllocator)
+            or allocator in ("caching", "dynamic", "trace_pool")):
         raise ValueError(
             f"mfsdp2 E08: unknown allocator {allocator!r} for {type(modules[0]).__name__}: use 'caching', 'dynamic', "
             "'trace_pool' or a BucketAllocator instance"
@@ -374,7 +378,8 @@ def fully_shard(
     state.post_forward_comm = post_forward_comm
     state.subclass = subclass_unit(
         name, sub_infos, sub_params, mesh, comm, modules[0], mp_policy, shards_params=strategy.shards_params,
-        offload=main is not None, hsdp=topology.replicate_dim is not None, partial_reshard=post_forward_comm is not None,
+        offload=main is not None, hsdp=topology.replicate_dim is not None,
+        partial_reshard=post_forward_comm is not None,
         shard_dims=shard_dims(shard_placement_fn, [i[0].fqn for i in sub_infos], sub_params, where,
                               topology.shard_dim is not None, [False] * len(sub_params)) if sub_params else None,
     )

@@ -21,7 +21,6 @@ from ..dtensors import row_propagation  # noqa: F401  (results of ops on RowShar
 from ..dtensors import random_offsets  # noqa: F401  (random init of RowShard pieces on CUDA: their rows' offsets)
 from ..checkpoint import serialization  # noqa: F401  (torch.save of state dicts holding our DTensors)
 from ..memory.allocator import BucketAllocator
-from ..comm.custom import CustomCommunicator
 from ..runtime.hooks import (
     lazy_init, outside_inference_mode, post_forward, pre_forward, reset, reshard, unshard_async, wait_unshard,
 )
@@ -448,7 +447,8 @@ class NotAnFSDPModuleError(TypeError, ValueError):
 
 def _state_of(m) -> FSDPState:
     if not isinstance(m, FSDPModule):
-        raise NotAnFSDPModuleError(f"mfsdp2 E11: {type(m).__name__} is not an FSDP module: call fully_shard on it first")
+        raise NotAnFSDPModuleError(f"mfsdp2 E11: {type(m).__name__} is not an FSDP module: "
+                                   "call fully_shard on it first")
     return m._mfsdp2_state
 
 

@@ -70,7 +70,8 @@ def mesh_comms(
         if mc is None:
             topology = Topology.of(pl.mesh.ndim, strategy, where)
             if pl.mesh.get_coordinate() is None:
-                raise ValueError(f"mfsdp2 E06: this rank is not part of the mesh shard_placement_fn gave a parameter of {where}")
+                raise ValueError("mfsdp2 E06: this rank is not part of the mesh shard_placement_fn gave "
+                                 f"a parameter of {where}")
             rep = communicator(pl.mesh, topology.replicate_dim) if topology.replicate_dim is not None else None
             mc = MeshComms(pl.mesh, topology, communicator(pl.mesh, topology.shard_dim), rep)
             made[id(pl.mesh)] = mc

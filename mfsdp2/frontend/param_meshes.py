@@ -61,7 +61,8 @@ def _mesh_of(mesh_info: Any, fqn: str, where: str) -> DeviceMesh:
     if getattr(mesh_info, "is_spmd_mesh", False):
         raise ValueError(
             f"mfsdp2 E70: shard_placement_fn returned a ShardPlacementResult for parameter {fqn!r} of {where} whose "
-            f"mesh info {kind} was built from dp_mesh_dims over a whole SPMD mesh {tuple(mesh_info.spmd_mesh.mesh_dim_names or ())}; "
+            f"mesh info {kind} was built from dp_mesh_dims over a whole SPMD mesh "
+            f"{tuple(mesh_info.spmd_mesh.mesh_dim_names or ())}; "
             "mfsdp2 takes per-parameter meshes as data-parallel sub-meshes: build the mesh info from the sub-mesh "
             "itself (torchtitan: --parallelism.spmd-backend partial_dtensor, where _get_mesh_info gets no "
             f"dp_mesh_dims); {advice}"
@@ -86,7 +87,8 @@ def answers(params: Sequence[torch.Tensor], placements: Sequence[ParamPlacement]
 
 
 def resolve(
-    shard_placement_fn: Optional[Callable], params: Sequence[torch.Tensor], fqns: Sequence[str], where: str, mesh: DeviceMesh
+    shard_placement_fn: Optional[Callable], params: Sequence[torch.Tensor], fqns: Sequence[str], where: str,
+    mesh: DeviceMesh
 ) -> list[ParamPlacement]:
     """Each parameter's placement and data-parallel mesh (``mesh``: the unit's, the default).
     ``shard_placement_fn`` is called once per parameter, as FSDP2 calls it."""

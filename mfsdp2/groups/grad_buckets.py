@@ -202,7 +202,8 @@ class GradientBuckets:
 
     def _allocate(self, bucket: Bucket, numel: int, dtype, device) -> None:
         lane = bucket.lane
-        base = (BufferRole.GRAD_BUCKET, self.root_name, lane.name, bucket.index if bucket.index is not None else "single")
+        base = (BufferRole.GRAD_BUCKET, self.root_name, lane.name,
+                bucket.index if bucket.index is not None else "single")
         k = 0
         while self.allocator.is_live(base + (k,)):  # a block of an earlier step still holds main grads
             k += 1

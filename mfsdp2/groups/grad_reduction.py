@@ -278,7 +278,8 @@ class GradientReduction(MainGradient):
                     self._ensure_main_grad(allocator, zero=False)
                     out = self.main_grad
                 else:
-                    out = allocator.allocate((BufferRole.RS_OUT, key), layout.shard_numel, self.reduce_dtype, self.device)
+                    out = allocator.allocate((BufferRole.RS_OUT, key), layout.shard_numel, self.reduce_dtype,
+                                             self.device)
                 n_scratch = self.comm.reduce_scatter_scratch_numel(layout.shard_numel, op, full.element_size())
                 scratch = (allocator.allocate((BufferRole.RS_RECV, key), n_scratch, self.reduce_dtype, self.device)
                            if n_scratch else None)
@@ -286,8 +287,8 @@ class GradientReduction(MainGradient):
             if all_reduce and self.chains_all_reduce:
                 # FSDP2's order: the replicas' all-reduce follows the reduce-scatter on the device at
                 # once, not at the next drain behind the next unit's backward kernels.
-                ar = self.replicate_comm.all_reduce(out, replicate_op, label=f"all-reduce across replicas of {self.name}",
-                                                    after=handle)
+                ar = self.replicate_comm.all_reduce(out, replicate_op,
+                                                    label=f"all-reduce across replicas of {self.name}", after=handle)
                 self._pending_reduce = PendingReduction(ar, direct, out, tuple(has_grad), key, all_reduce, replicate_op,
                                                         stage=ReduceStage.REPLICAS, post_divide=plan.post_divide,
                                                         final=self.reduce_final, chained=handle)

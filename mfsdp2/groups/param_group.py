@@ -148,7 +148,8 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         self.tp_specs = list(tp_specs) if tp_specs is not None else [None] * len(params)
         self.config = config
         self.strategy = config.strategy
-        self.replicate_comm = config.replicate_comm if config.replicate_comm is not None and config.replicate_comm.world_size > 1 else None
+        self.replicate_comm = (config.replicate_comm
+                               if config.replicate_comm is not None and config.replicate_comm.world_size > 1 else None)
         self.full_grads = not config.strategy.shards_grads
         self.divide_factor: Optional[float] = None  # None: mean over every data-parallel rank
         self.force_sum = False  # SUM collectives, divided after the last one (set_force_sum_reduction_for_comms)
@@ -256,7 +257,8 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
             self.main_weight = self.weights.shard if self._shares_main else main.zeros(S, self.main_dtype)
         else:
             self.main_weight = main.zeros(S, self.main_dtype)
-            self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, self.comm, shard=self.main_weight)
+            self.weights = DataParallelBuffer(self.layout, self.compute_dtype, device, self.comm,
+                                              shard=self.main_weight)
         self.fp8 = Float8Gather(self, self.config.fp8) if self.config.fp8 else None
 
     @property

@@ -214,7 +214,8 @@ def subclass_unit(unit_name: str, infos: list, params: list, mesh, comm: Communi
             why = ("is 0-dimensional", "store it with shape (1,)")
         if why is not None:
             raise ValueError(
-                f"mfsdp2 E65: parameter {fqn!r} of {unit_name} is a {type(p).__name__} with FSDP2's all-gather extension "
+                f"mfsdp2 E65: parameter {fqn!r} of {unit_name} is a {type(p).__name__} "
+                "with FSDP2's all-gather extension "
                 f"(fsdp_pre_all_gather), which mfsdp2 supports for ZeRO-3 units on a 1-D mesh; this one {why[0]}: "
                 f"{why[1]}, or keep the parameter out of the unit (ignored_params)"
             )

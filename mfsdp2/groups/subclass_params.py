@@ -170,16 +170,20 @@ class SubclassParam:
         inputs, self.metadata = pre_all_gather(local, self.mesh, self.orig_size, self.stride, module, policy, self.fqn)
         if local.size() != self.padded_size and any(t.size() != self.padded_size for t in inputs):
             raise ValueError(
-                f"mfsdp2 E64: parameter {self.fqn!r} (a {type(local).__name__} of size {tuple(self.orig_size)}) does not "
-                f"split evenly over {self.world_size} ranks, and its fsdp_pre_all_gather returned inputs of sizes "
+                f"mfsdp2 E64: parameter {self.fqn!r} (a {type(local).__name__} of size {tuple(self.orig_size)}) "
+                f"does not split evenly over {self.world_size} ranks, "
+                "and its fsdp_pre_all_gather returned inputs of sizes "
                 f"{[tuple(t.size()) for t in inputs]} instead of the padded shard size {tuple(self.padded_size)}; "
                 "make dim 0 a multiple of the world size, or return padded inputs as FSDP2 requires"
             )
         sizes = [t.size() for t in inputs]
-        if self.input_sizes and (sizes != self.input_sizes or [t.dtype for t in inputs] != [o.dtype for o in self.outputs]):
+        if self.input_sizes and (sizes != self.input_sizes
+                                 or [t.dtype for t in inputs] != [o.dtype for o in self.outputs]):
             raise ValueError(
-                f"mfsdp2 E64: parameter {self.fqn!r}: fsdp_pre_all_gather returned {[(tuple(s), t.dtype) for s, t in zip(sizes, inputs)]}, "
-                f"not the sizes and dtypes of its first gather; FSDP2 reuses the all-gather outputs, so they must stay fixed"
+                f"mfsdp2 E64: parameter {self.fqn!r}: fsdp_pre_all_gather returned "
+                f"{[(tuple(s), t.dtype) for s, t in zip(sizes, inputs)]}, "
+                "not the sizes and dtypes of its first gather; FSDP2 reuses the all-gather outputs, "
+                "so they must stay fixed"
             )
         self.input_sizes = sizes
         return [t.contiguous().view(-1) for t in inputs]

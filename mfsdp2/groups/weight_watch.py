@@ -97,9 +97,10 @@ def fingerprints(ts: list) -> list:
     or that live on different devices, take :func:`fingerprint` one by one.
 
     No host synchronisation on CUDA: the word counts are host facts, sent to the device from
-    page-locked memory without waiting (:func:`~mfsdp2.comm.communicator.device_ints`), and ``repeat_interleave`` is told
-    its output size (without it, it reads the counts' sum back to size its output). So the
-    computation needs no device data on the host: it runs on the meta device as well."""
+    page-locked memory without waiting (:func:`~mfsdp2.comm.communicator.device_ints`), and
+    ``repeat_interleave`` is told its output size (without it, it reads the counts' sum back to
+    size its output). So the computation needs no device data on the host: it runs on the meta
+    device as well."""
     words = [as_words(t) for t in ts]
     if len(ts) < 2 or any(w.dtype != torch.int32 for w in words) or len({w.device for w in words}) > 1:
         return [fingerprint(t) for t in ts]

@@ -157,7 +157,8 @@ class BucketAllocator:
 
     def allocate(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if key in self._live:
-            raise RuntimeError(f"mfsdp2 E20: allocator: buffer {key!r} is already live; free it before allocating it again")
+            raise RuntimeError(f"mfsdp2 E20: allocator: buffer {key!r} is already live; "
+                               "free it before allocating it again")
         t = self._obtain(key, numel, dtype, torch.device(device))
         self._live[key] = t
         self.stats._add(key, t.numel() * t.element_size(), +1)

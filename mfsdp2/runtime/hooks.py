@@ -113,7 +113,8 @@ def unshard_async(state: FSDPState) -> None:
             # From a partial reshard only the rank block gathers (e.g. inside a node).
             names = g.name + ("" if j is None else f" + {rider[0].name}")
             label = f"all-gather of unit {state.name!r} ({names}, step {step})"
-            h = g.unshard_from_group(state.post_forward_comm, alloc, key, label) if partial else g.unshard(alloc, key, label, *rider)
+            h = (g.unshard_from_group(state.post_forward_comm, alloc, key, label) if partial
+                 else g.unshard(alloc, key, label, *rider))
             if h is not None:  # None: persistent weights, already current on every rank
                 state.pending_unshard.append((g, h))
         state.shard_state = ShardState.UNSHARDING
@@ -191,7 +192,8 @@ def lazy_init(state: FSDPState) -> None:
         if s is not state and s.allocator_spec is not None and s.allocator_spec is not state.allocator_spec:
             raise ValueError(
                 f"mfsdp2 E09: allocator={s.allocator_spec!r} was given to {s.name!r}, which is not the root; "
-                f"every unit under a root shares the root's allocator: pass it to fully_shard of the root ({state.name!r})"
+                "every unit under a root shares the root's allocator: "
+                f"pass it to fully_shard of the root ({state.name!r})"
             )
     if not state.reshard_after_forward_given:
         # FSDP2's default (None): the root keeps its parameters from forward to backward, which
@@ -525,7 +527,8 @@ def post_backward(state: FSDPState) -> None:
                 for s in ctx.states:
                     if s.subclass is not None:
                         s.subclass.finish_reduce()
-                state.subclass.reduce_grads(f"reduce-scatter of unit {state.name!r} (subclass parameters, step {ctx.step})")
+                state.subclass.reduce_grads(
+                    f"reduce-scatter of unit {state.name!r} (subclass parameters, step {ctx.step})")
             if issued:
                 event_log.record("rs_issue", state.name)
                 if any(g.reduce_chained for _, g in reducing):

@@ -113,7 +113,9 @@ def _run(rank: int, ws: int, case: str, root: str) -> dict:
 def _optimizer_state_dicts(rank: int, ws: int, case: str) -> list:
     """Full optimizer state dicts (DSD) after 2 steps: the same entries, types and values as
     FSDP2's, and they load back (a resume)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict,
+    )
 
     from ..precision._torchao_cases import train
 

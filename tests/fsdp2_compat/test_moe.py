@@ -140,7 +140,8 @@ def _meshes(scenario: str):
     if scenario.startswith("ep2"):
         sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
         # torchtitan's Shard(1): more expert-sharding ranks than experts (asked as if so here)
-        return dense, sparse["ep"], FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0), 100 if scenario == "ep2_shard1" else 2
+        return (dense, sparse["ep"], FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0),
+                100 if scenario == "ep2_shard1" else 2)
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
     return dense, None, HSDPMeshInfo(hsdp, shard_mesh_dim=1, replicate_mesh_dim=0), WS
 
@@ -191,7 +192,8 @@ def _train(rank: int, scenario: str, impl: str) -> dict:
             out_none.append(sorted(n for n, p in model.named_parameters() if p.grad is None))
         if impl == "mfsdp2":  # the total norm over both meshes' groups, against the full gradients'
             norms.append((mfsdp2.clip_grad_norm_(model.parameters(), 1e9).item(),
-                          torch.stack([_full(p.grad).norm() for p in model.parameters() if p.grad is not None]).norm().item()))
+                          torch.stack([_full(p.grad).norm() for p in model.parameters()
+                                       if p.grad is not None]).norm().item()))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -244,7 +246,8 @@ def _dsd_checks(rank: int, scenario: str, ours: dict, ref: dict, folder: str) ->
                 assert torch.equal(_full(osd["mfsdp2"]["state"][k][s]), _full(t)), (k, s)
             else:
                 same(_full(osd["mfsdp2"]["state"][k][s]), _full(t), f"{k} {s}")
-    fulls = {k: (get_model_state_dict(r["model"], options=full), get_optimizer_state_dict(r["model"], r["optim"], options=full))
+    fulls = {k: (get_model_state_dict(r["model"], options=full),
+                 get_optimizer_state_dict(r["model"], r["optim"], options=full))
              for k, r in models.items()}
     for src in models:  # DCP: each runtime's sharded state dicts, saved once
         dcp.save({"model": msd[src], "optim": osd[src]}, checkpoint_id=f"{folder}/{scenario}_{src}")
@@ -258,7 +261,8 @@ def _dsd_checks(rank: int, scenario: str, ours: dict, ref: dict, folder: str) ->
         # DCP: the saved state loaded into the fresh model's sharded state dicts
         path = f"{folder}/{scenario}_{src}"
         model, opt = _fresh(scenario, dst)
-        into = {"model": get_model_state_dict(model, options=sharded), "optim": get_optimizer_state_dict(model, opt, options=sharded)}
+        into = {"model": get_model_state_dict(model, options=sharded),
+                "optim": get_optimizer_state_dict(model, opt, options=sharded)}
         dcp.load(into, checkpoint_id=path)
         set_model_state_dict(model, into["model"], options=sharded)
         set_optimizer_state_dict(model, opt, into["optim"], options=sharded)
@@ -318,7 +322,8 @@ def test_estimate_memory_plans_the_runtime_groups(runs, scenario):
     dim = 1 if scenario == "ep2_shard1" else 0
     est = mfsdp2.estimate_memory(model, units=MoEBlock, mesh_shape=WS, experts=is_expert, expert_parallel=2,
                                  shard_dims=lambda fqn, p: dim if is_expert(fqn, p) else 0, mp_policy=None)
-    planned = sorted((u["name"], g["world"], g["shard_numel"], g["total_numel"]) for u in est.units for g in u["groups"])
+    planned = sorted((u["name"], g["world"], g["shard_numel"], g["total_numel"])
+                     for u in est.units for g in u["groups"])
     assert planned == runs[0][scenario]["mfsdp2"]["groups"]
     assert any(w == 2 for _, w, _, _ in planned) and any(w == WS for _, w, _, _ in planned)
 

@@ -347,7 +347,8 @@ def _train(root: str, run: Run) -> Result:
 
     reduce_scatter = None
     if run.impl == "fsdp2":
-        reduce_scatter = _reduce_order.RankOrderReduceScatter() if run.reduce_order == "rank" else _reduce_order.GlooReduceScatter()
+        reduce_scatter = (_reduce_order.RankOrderReduceScatter() if run.reduce_order == "rank"
+                          else _reduce_order.GlooReduceScatter())
     _bind(run.impl, reduce_scatter)
     if run.resume_from is not None:
         _take_checkpoint(root, run)

@@ -200,7 +200,8 @@ def test_ep2_shard1_experts_match_fsdp2(results):
 
 @pytest.mark.parametrize(
     "resumed, saved",
-    [("mfsdp2_ep2_from_mfsdp2", "mfsdp2_ep2"), ("mfsdp2_ep2_from_fsdp2", "fsdp2_ep2"), ("fsdp2_ep2_from_mfsdp2", "mfsdp2_ep2")],
+    [("mfsdp2_ep2_from_mfsdp2", "mfsdp2_ep2"), ("mfsdp2_ep2_from_fsdp2", "fsdp2_ep2"),
+     ("fsdp2_ep2_from_mfsdp2", "mfsdp2_ep2")],
 )
 def test_dcp_resume_with_expert_parallelism(results, resumed, saved):
     """torchtitan's DCP checkpoint at step 2 (model, optimizer, schedulers, data loader) holds the

@@ -52,7 +52,8 @@ def _track(rank: int, ws: int) -> dict:
         pieces = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         states = sum(v.to_local().numel() * v.element_size() for s in opt.state.values() for k, v in s.items()
                      if k != "step")
-        r = {"peak": peak, "pieces": pieces, "states": states, "modules": sorted(str(type(m).__name__) for m in tracker.memory_tracking)}
+        r = {"peak": peak, "pieces": pieces, "states": states,
+             "modules": sorted(str(type(m).__name__) for m in tracker.memory_tracking)}
         if name == "mfsdp2":
             own = StepMemoryTracker(model, opt, x)
             with own:

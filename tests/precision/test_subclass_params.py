@@ -138,7 +138,8 @@ def test_float8_all_gather_world_4():
 def test_int8_and_bitnet():
     """int8 weight-only quantised training (int8 values + row scales on the wire), int8 mixed
     precision (high-precision weights through the extension) and BitNet (2-bit packed)."""
-    cases = [("int8_weight_only", {}), ("int8_mixed_precision", {}), ("int8_mixed_precision", {"bf16": True}), ("bitnet", {})]
+    cases = [("int8_weight_only", {}), ("int8_mixed_precision", {}), ("int8_mixed_precision", {"bf16": True}),
+             ("bitnet", {})]
     res = run_ranks(_compare, 2, cases, timeout=400)
     _check(res, {"int8_weight_only": "Int8QuantizedTrainingLinearWeight",
                  "int8_mixed_precision": "Int8MixedPrecisionTrainingLinearWeight",

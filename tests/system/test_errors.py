@@ -100,9 +100,11 @@ EXPECTED = {
             "torch.optim.Adafactor cannot step sharded parameter 'inp.weight' of unit 'root'"),
     "E61": (DuplicateParameterError, "SGD holds parameter 'head.bias' of unit 'root' 2 times"),
     "E62": (ValueError, "the all-gather extension needs both fsdp_pre_all_gather and fsdp_post_all_gather"),
-    "E63": (TypeError, "FSDP2's protocol calls it as fsdp_pre_all_gather(mesh) or fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)"),
+    "E63": (TypeError, "FSDP2's protocol calls it as fsdp_pre_all_gather(mesh) or "
+                       "fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)"),
     "E64": (ValueError, "not the sizes and dtypes of its first gather"),
-    "E65": (ValueError, "which mfsdp2 supports for ZeRO-3 units on a 1-D mesh; this one gathers it once per step and keeps it"),
+    "E65": (ValueError, "which mfsdp2 supports for ZeRO-3 units on a 1-D mesh; "
+                        "this one gathers it once per step and keeps it"),
     "E70": (ValueError, "returned a ShardPlacementResult with mesh info DDPMeshInfo for parameter 'weight' of Linear; "
                         "a per-parameter mesh must shard"),
     "E71": (ValueError, "parameter 'weight' of Linear is an expert-parallel DTensor on mesh (ep=1)"),
@@ -170,7 +172,8 @@ def _subclass_rows(out: dict, mesh) -> None:
         changing.unshard()
 
     _capture(out, "E64", twice)
-    _capture(out, "E65", lambda: fully_shard(_with_weight(lambda w: Weight(w, cfg)), mesh=mesh, sharding_strategy="optim_grads"))
+    _capture(out, "E65", lambda: fully_shard(_with_weight(lambda w: Weight(w, cfg)), mesh=mesh,
+                                             sharding_strategy="optim_grads"))
 
 
 def _sharded_net(mesh, **root_kw):
@@ -236,7 +239,8 @@ def _mesh_rows(out: dict, mesh) -> None:
         return m
 
     _capture(out, "E71", lambda: fully_shard(experts(), mesh=mesh))
-    hsdp = HSDPMeshInfo(init_device_mesh("cpu", (1, 1), mesh_dim_names=("rep", "shard")), shard_mesh_dim=1, replicate_mesh_dim=0)
+    hsdp = HSDPMeshInfo(init_device_mesh("cpu", (1, 1), mesh_dim_names=("rep", "shard")), shard_mesh_dim=1,
+                        replicate_mesh_dim=0)
     _capture(out, "E72", lambda: fully_shard(experts(), mesh=mesh, shard_placement_fn=placed(hsdp)))
     own = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group([0]), "cpu", mesh_dim_names=("own",)), shard_mesh_dim=0)
     _capture(out, "E73", lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, shard_placement_fn=placed(own),

@@ -157,6 +157,7 @@ def test_hsdp_all_reduce_chained_behind_reduce_scatter_on_stream_ordered_backend
             assert ev[i + 1] == ("ar_issue", ev[i][1]), ev
         plain_ev, plain = res[False]
         # unchained (gloo's own path): some unit's all-reduce waits for a later drain
-        assert any(plain_ev[i + 1] != ("ar_issue", u) for i, (k, u) in enumerate(plain_ev[:-1]) if k == "rs_issue"), plain_ev
+        assert any(plain_ev[i + 1] != ("ar_issue", u)
+                   for i, (k, u) in enumerate(plain_ev[:-1]) if k == "rs_issue"), plain_ev
         for k, g in plain.items():
             assert torch.equal(grads[k], g), k
