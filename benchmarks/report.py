@@ -52,13 +52,17 @@ SOURCES = {
                "--json benchmarks/results/step_phases_tiny.json"),
     "phases_foreach": ("step_phases_tiny_foreach.json", "python benchmarks/step_phases.py --model tiny --foreach "
                        "--json benchmarks/results/step_phases_tiny_foreach.json"),
-    "allocators_mlp": ("allocators_mlp.json", "python benchmarks/allocators.py --json benchmarks/results/allocators_mlp.json"),
+    "allocators_mlp": ("allocators_mlp.json",
+                       "python benchmarks/allocators.py --json benchmarks/results/allocators_mlp.json"),
     "allocators_llama": ("allocators_llama.json", "python benchmarks/allocators.py --model llama "
                          "--json benchmarks/results/allocators_llama.json"),
-    "optimizer": ("optimizer_step.json", "python benchmarks/optimizer_step.py --json benchmarks/results/optimizer_step.json"),
-    "native": ("native_kernels.json", "python benchmarks/native_kernels.py --json benchmarks/results/native_kernels.json"),
+    "optimizer": ("optimizer_step.json",
+                  "python benchmarks/optimizer_step.py --json benchmarks/results/optimizer_step.json"),
+    "native": ("native_kernels.json",
+               "python benchmarks/native_kernels.py --json benchmarks/results/native_kernels.json"),
     "clip": ("clip_grad.json", "python benchmarks/clip_grad.py --json benchmarks/results/clip_grad.json"),
-    "estimate": ("memory_estimate.json", "python benchmarks/memory_estimate.py --json benchmarks/results/memory_estimate.json"),
+    "estimate": ("memory_estimate.json",
+                 "python benchmarks/memory_estimate.py --json benchmarks/results/memory_estimate.json"),
     "scale": ("scale.json", "python benchmarks/scale.py --json benchmarks/results/scale.json"),
     "alpha_beta": ("alpha_beta.json", "python benchmarks/alpha_beta.py --json benchmarks/results/alpha_beta.json"),
     "shard_dim": ("shard_dim.json", "python benchmarks/shard_dim.py --json benchmarks/results/shard_dim.json"),
@@ -198,7 +202,8 @@ def block_compare_wire() -> str:
     rows = []
     for c in d["cases"]:
         m, t = c["mfsdp2"], c["fsdp2_tuned"]
-        coll = f"{m['collectives_per_step']:g}" + (f" + {m['p2p_ops_per_step']:g} p2p" if m.get("p2p_ops_per_step") else "")
+        p2p = f" + {m['p2p_ops_per_step']:g} p2p" if m.get("p2p_ops_per_step") else ""
+        coll = f"{m['collectives_per_step']:g}" + p2p
         rate = m.get("tokens_per_s", m.get("samples_per_s"))
         rows.append([case_name(c), f"{rate:,.1f} {c['item_unit']}/s", mib(m["wire_bytes_per_step"]),
                      mib(t["wire_bytes_per_step"]), coll, f"{t['collectives_per_step']:g}",
@@ -240,7 +245,8 @@ def _comparison_rows(d: dict, with_second: bool = True) -> list[list]:
     return rows
 
 
-STRATEGY_HDR = ["case", "variant / baseline", "step ratio (ms / ms)", "vs FSDP2 default", "wire bytes", "all-gather bytes",
+STRATEGY_HDR = ["case", "variant / baseline", "step ratio (ms / ms)", "vs FSDP2 default", "wire bytes",
+                "all-gather bytes",
                 "persistent bytes / rank", "weights", "grads", "losses"]
 
 
@@ -417,7 +423,8 @@ def block_estimate() -> str:
     d = load("estimate")
     if d is None:
         return missing("estimate")
-    rows = [[f"{c['model']}/{c['config']}", c["world_size"], mib(c["measured_peak_bytes"]), mib(c["estimate_peak_bytes"]),
+    rows = [[f"{c['model']}/{c['config']}", c["world_size"], mib(c["measured_peak_bytes"]),
+             mib(c["estimate_peak_bytes"]),
              f"{c['estimate_error'] * 100:+.2f} %"] for c in d["cases"]]
     worst = max(abs(c["estimate_error"]) for c in d["cases"])
     return (md(["case", "world size", "measured peak MiB", "estimate MiB", "error"], rows)
@@ -434,7 +441,8 @@ def block_scale_memory() -> str:
         return missing("scale")
     rows = []
     for x in d["memory"]:
-        rows.append([x["model"], _mesh(x["mesh"]), f"{x['main_weight_bytes'] / GiB:.3f}", f"{x['main_grad_bytes'] / GiB:.3f}",
+        rows.append([x["model"], _mesh(x["mesh"]), f"{x['main_weight_bytes'] / GiB:.3f}",
+                     f"{x['main_grad_bytes'] / GiB:.3f}",
                      f"{x['adam_bytes'] / GiB:.3f}", f"{x['gathered_bytes'] / GiB:.3f}",
                      f"{x['grad_buffer_bytes'] / GiB:.3f}", f"**{x['total_bytes'] / GiB:.3f}**",
                      f"{x['formula_bytes'] / GiB:.3f}", f"{x['total_bytes'] / x['formula_bytes']:.3f}",
@@ -503,8 +511,9 @@ def block_quantised() -> str:
     for x in d["results"]:
         kind, goal = goals.get(x["case"], ("step", ""))
         rat = x["ratio"]
-        vs_t, vs_d = (rat["peak_vs_tuned"], rat["peak_vs_default"]) if kind == "peak" else (rat["step_vs_tuned"], rat["step_vs_default"])
-        met = "met" if vs_t <= (1.0 if kind == "peak" else 0.9) and vs_d <= (1.0 if kind == "peak" else 0.9) else "not met"
+        vs_t, vs_d = rat[f"{kind}_vs_tuned"], rat[f"{kind}_vs_default"]
+        bound = 1.0 if kind == "peak" else 0.9
+        met = "met" if vs_t <= bound and vs_d <= bound else "not met"
         for fw, label in FRAMEWORKS:
             r = x[fw]
             rows.append([x["case"], label, ms(r["step_s_median"]), f"{ms(r['step_s_p10'])}-{ms(r['step_s_p90'])}",
@@ -512,9 +521,10 @@ def block_quantised() -> str:
                          f"{goal}: {r2(vs_t)}x tuned, {r2(vs_d)}x default ({met})" if fw == "mfsdp2" else "",
                          f"{x['foreign_cpu_fraction']:.0%}" if fw == "mfsdp2" else "",
                          ("yes" if x["losses_identical"] else "no") if fw == "mfsdp2" else ""])
-    return (md(["case", "runtime", "step ms", "p10-p90", "step peak MiB", "goal", "other load", "losses identical"], rows)
-            + f"\n\n{d['rounds']} alternating rounds per case; other processes used {d['quiet_before']:.0%} of the CPUs "
-            f"before the run (load average {d['load_average_before'][0]:.1f}). " + run_line("quantised", d))
+    headers = ["case", "runtime", "step ms", "p10-p90", "step peak MiB", "goal", "other load", "losses identical"]
+    return (md(headers, rows)
+            + f"\n\n{d['rounds']} alternating rounds per case; other processes used {d['quiet_before']:.0%} "
+            f"of the CPUs before the run (load average {d['load_average_before'][0]:.1f}). " + run_line("quantised", d))
 
 
 def block_moe() -> str:
