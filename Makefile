@@ -39,29 +39,12 @@ lint: venv
 bench-quick: venv native
 	$(PY) benchmarks/compare_fsdp2.py --quick
 
-# Every figure of docs/benchmarks.md, recorded into benchmarks/results/ (run on a quiet machine at
-# a clean commit; ~1.5 h on 2 cores). The FSDP2 tuning run goes first: its winner is "FSDP2 tuned"
-# for the others. Render the tables with benchmarks/report.py.
-R := benchmarks/results
+# Every figure of the results pages (docs/benchmarks.md, docs/benchmarks_more.md, CONTRIBUTING.md's
+# scorecard), recorded into benchmarks/results/ by exactly the commands benchmarks/report.py names
+# (its SOURCES; the FSDP2 tuning first), then rendered: run it on a quiet machine at a clean commit
+# (about two hours on 2 cores).
 bench-record: venv native
-	$(PY) benchmarks/fsdp2_tuning.py --json $(R)/fsdp2_tuning.json
-	$(PY) benchmarks/compare_fsdp2.py --json $(R)/compare_fsdp2.json
-	$(PY) benchmarks/compare_fsdp2.py --quick --json $(R)/compare_fsdp2_quick.json
-	$(PY) benchmarks/strategies.py --json $(R)/strategies.json
-	$(PY) benchmarks/strategies.py --cases mlp:fp32,llama:fp32,tiny:fp32 --accum 4 --json $(R)/strategies_accum4.json
-	$(PY) benchmarks/strategies.py --cases mlp:fp8,llama:fp8 --steps 30 --wait-quiet 120 --json $(R)/strategies_fp8_merged.json
-	$(PY) benchmarks/step_phases.py --model tiny --json $(R)/step_phases_tiny.json
-	$(PY) benchmarks/step_phases.py --model tiny --foreach --json $(R)/step_phases_tiny_foreach.json
-	$(PY) benchmarks/allocators.py --json $(R)/allocators_mlp.json
-	$(PY) benchmarks/allocators.py --model llama --json $(R)/allocators_llama.json
-	$(PY) benchmarks/profile_step.py --model tiny --framework all --json $(R)/profile_tiny.json
-	$(PY) benchmarks/native_kernels.py --json $(R)/native_kernels.json
-	$(PY) benchmarks/optimizer_step.py --json $(R)/optimizer_step.json
-	$(PY) benchmarks/clip_grad.py --json $(R)/clip_grad.json
-	$(PY) benchmarks/scale.py --json $(R)/scale.json
-	$(PY) benchmarks/alpha_beta.py --json $(R)/alpha_beta.json
-	$(PY) benchmarks/step_model.py --json $(R)/step_model.json
-	$(PY) benchmarks/moe.py --steps 16 --wait-quiet 60 --json $(R)/moe.json
+	$(PY) benchmarks/record_all.py
 
 # One command for a lent GPU machine (tools/gpu_check.py, under 5 minutes there, every step on a
 # fixed budget): the CUDA-marked tests, benchmarks/gpu.py at world size 1 and one profiled step of

@@ -81,3 +81,16 @@ def test_a_missing_source_renders_as_the_command_that_records_it(report, monkeyp
     blocks = report.render_blocks()
     assert "python benchmarks/compare_fsdp2.py" in blocks["compare_step"]
     assert "Not recorded" in blocks["compare_step"]
+
+
+def test_make_bench_record_records_every_source_the_pages_use(report):
+    """``make bench-record`` (benchmarks/record_all.py) runs exactly the commands the pages name,
+    the FSDP2 tuning first (the others read its winner), so one run records every figure."""
+    spec = importlib.util.spec_from_file_location("record_all", os.path.join(ROOT, "benchmarks", "record_all.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cmds = mod.commands()
+    assert [k for k, _ in cmds][0] == "tuning"
+    assert sorted(k for k, _ in cmds) == sorted(report.SOURCES)
+    for key, argv in cmds:
+        assert report.SOURCES[key][0] in " ".join(argv), key
