@@ -323,7 +323,12 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     backward_follows = False
     if grad:
         tensors = [t for t in tensors_in(output) if t.requires_grad]
-        if tensors:
+        if len(tensors) == 1:
+            # One output (the usual block): a tensor hook fires once per backward that reaches
+            # it, which is what the multi-grad hook's "any" mode gives, at a third of its cost.
+            tensors[0].register_hook(functools.partial(_pre_backward_hook, state))
+            backward_follows = True
+        elif tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, functools.partial(_pre_backward_hook, state), mode="any"
             )
@@ -464,6 +469,18 @@ class _PostBackward(torch.autograd.Function):
     own function: the forward is an identity, so every derivative passes through unchanged."""
 
     generate_vmap_rule = True
+
+    @classmethod
+    def apply(cls, *args):
+        """``Function.apply`` without its per-call ``inspect.signature`` outside ``torch.func``.
+
+        Why: with ``setup_context`` defined, torch binds the forward's default arguments through
+        ``inspect.signature`` at every call, whether a transform is active or not -- about a
+        fifth of a small unit's forward hook on the host. This forward has no defaults and takes
+        no keywords, so the binding changes nothing; under a transform the full path runs."""
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*args)
 
     @staticmethod
     def forward(state: FSDPState, fwd_pass: _ForwardPass, *inputs: torch.Tensor):
