@@ -47,7 +47,8 @@ and runs a ``PREMUL_SUM(f)`` as gloo can: the inputs, read at the collective's t
 
 Counters: ``issued`` (collectives delayed); ``waited_early`` (``wait()`` called before the data
 moved: the delay mattered to a waiter); ``overtaken`` (a later collective was issued before this
-one's data moved: the host did not block on it); ``poisoned`` (blocks poisoned at their free).
+one's data moved: the host did not block on it); ``poisoned`` (blocks poisoned at their free);
+``premul_issued`` (``PREMUL_SUM`` collectives run as a scaled ``SUM``).
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ class SlowCollectives:
         self.poison_frees = poison_frees
         self.premul_sum = premul_sum
         self.poisoned = 0
+        self.premul_issued = 0  # PREMUL_SUM collectives run as a scaled SUM
         self._quarantine: list[torch.Tensor] = []
         self._saved_free = None
         self._saved_op_support = None
@@ -194,6 +196,12 @@ class SlowCollectives:
             for mod in (dist, c10d):
                 if getattr(mod, name, None) is orig:
                     setattr(mod, name, wrapped)
+        from mfsdp2.comm.registry import clear_communicators
+
+        # A communicator decides its path (stream-ordered, PREMUL_SUM) when it is made, and
+        # mfsdp2 keeps one per group: one made outside this harness, or under another persona,
+        # would keep its path here. So the cache is dropped at the entry and at the exit.
+        clear_communicators()
         if self.stream_ordered:
             import mfsdp2.comm.communicator as comm
 
@@ -243,8 +251,10 @@ class SlowCollectives:
                     if getattr(mod, name, None) is self._wrappers[name]:
                         setattr(mod, name, orig)
             import mfsdp2.comm.communicator as comm
+            from mfsdp2.comm.registry import clear_communicators
             from mfsdp2.memory.allocator import BucketAllocator
 
+            clear_communicators()
             if self._saved_policy is not None:
                 comm.stream_ordered_backend = self._saved_policy
             if self._saved_op_support is not None:
@@ -343,6 +353,7 @@ class SlowCollectives:
             divide = dist.get_world_size(bound.arguments.get("group"))
         elif op is not None and op == dist.ReduceOp.PREMUL_SUM:
             bound.arguments["op"], scale = dist.ReduceOp.SUM, _premul_factor(op)
+            self.premul_issued += 1
         work = _StreamWork(self, name, self.issued, done, token)
         self.issued += 1
         self._pending = [w for w in self._pending if not (isinstance(w, _StreamWork) and w.is_completed())]
@@ -363,7 +374,8 @@ class SlowCollectives:
                 _, due, name, orig, (args, kwargs), _originals, late = item  # the originals: kept referenced
                 time.sleep(max(0.0, due - time.monotonic()))
                 try:
-                    args, kwargs = _emulate_premul_sum(name, orig, args, kwargs)
+                    args, kwargs, premul = _emulate_premul_sum(name, orig, args, kwargs)
+                    self.premul_issued += premul
                     work = orig(*args, **kwargs) if name in _P2P else orig(*args, async_op=True, **kwargs)
                 except BaseException as e:  # noqa: BLE001 - handed to the waiter
                     late._settle(None, e)
@@ -426,7 +438,7 @@ def _premul_factor(op) -> float:
     return float(op.factor)
 
 
-def _emulate_premul_sum(name: str, orig: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _emulate_premul_sum(name: str, orig: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
     """A ``PREMUL_SUM(f)`` call (NCCL's; gloo has none) as gloo can run it: the inputs multiplied
     by ``f``, read now (the collective's turn), then ``SUM`` -- the arithmetic NCCL performs
     inside the collective. An input that is also the output (an in-place all-reduce) is scaled
@@ -435,7 +447,7 @@ def _emulate_premul_sum(name: str, orig: Callable, args: tuple, kwargs: dict) ->
     bound = sig.bind(*args, **kwargs)
     op = bound.arguments.get("op")
     if op is None or op != dist.ReduceOp.PREMUL_SUM:
-        return args, kwargs
+        return args, kwargs, False
     factor = _premul_factor(op)
     params = list(sig.parameters)
     outs, ins = _IO[name]
@@ -449,4 +461,4 @@ def _emulate_premul_sum(name: str, orig: Callable, args: tuple, kwargs: dict) ->
         else:
             bound.arguments[params[i]] = value * factor
     bound.arguments["op"] = dist.ReduceOp.SUM
-    return bound.args, bound.kwargs
+    return bound.args, bound.kwargs, True
