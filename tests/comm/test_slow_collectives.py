@@ -14,11 +14,15 @@ stream-ordered (``async_op=True``, the work waited); one run uses the real gloo 
 and no harness at all.
 
 * Parity: float64 training equals the single-process unsharded reference within REL_F64 (CPU and
-  CUDA); every run -- float32, bf16 compute (MixedPrecisionPolicy), float64 -- equals bit for
-  bit the same run with the delay at 0 (only timing differs, so nothing else may): caching and
-  trace-pool allocators, prefetch depth 0, 1 and 2, gradient accumulation without sync,
-  activation checkpointing. A block handed to another buffer (or reused on another stream) before
-  the collective that used it ended -- the buffer-reuse rule: "allocator blocks are reused only
+  CUDA); every run -- float32, bf16 compute (MixedPrecisionPolicy), FP8 all-gathers, float64 --
+  equals bit for bit the same run with the delay at 0 (only timing differs, so nothing else
+  may): caching and trace-pool allocators, prefetch depth 0, 1 and 2, gradient accumulation
+  without sync, activation checkpointing, CPU offload, HSDP (a 2 x 2 mesh, four ranks), and a
+  gradient divide factor reduced with PREMUL_SUM (gloo has none: the harness presents the group
+  as having it, and the run equals the runtime's own pre-scaled SUM bit for bit). Collectives
+  read their inputs late too, and every block the runtime's allocator takes back is poisoned
+  (NaN) where it is freed: a block handed to another buffer, freed or overwritten before the
+  collective that used it ended -- the buffer-reuse rule: "allocator blocks are reused only
   after the wait of the collective that used them" -- or a gathered weight read before the
   gather wrote it, gives wrong numbers here.
 * Order: the runtime's event log (gathers issued, forward/backward begin/end, reductions issued
@@ -27,7 +31,9 @@ and no harness at all.
 * The delay mattered: on the stream path the host issued later collectives before earlier ones
   moved their data (``overtaken``), on gloo's path waits came before the data (``waited_early``).
 * The harness can fail: a runtime that takes its all-gathers as finished when issued (no wait,
-  no stream wait) trains to different numbers under slow collectives, on CPU and on CUDA.
+  no stream wait), one that frees a reduce-scatter's input right after issuing it, and one that
+  overwrites an all-gather's input right after issuing it train to different numbers under slow
+  collectives, on CPU and on CUDA; the real runtime trains right.
 * gloo with CUDA tensors does not block the host: a gather issued while the GPU is busy returns
   before the GPU could have run it.
 """

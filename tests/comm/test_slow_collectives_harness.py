@@ -4,9 +4,13 @@ with simulated streams (``tests/_late_streams.SimStreams``) standing for CUDA st
 ranks doing the real collectives. The GPU run of the same code is in tests/comm/test_slow_collectives.py.
 
 Each hazard the harness exists for is shown to be *caught*: a consumer without the stream wait, a
-side stream that does not wait for the producer before the collective reads, and a block handed to
-another buffer before the wait all see wrong data every time; the correct sequence sees the right
-data. And the host never blocks: a stream-ordered call returns before the data moved.
+side stream that does not wait for the producer before the collective reads, a block handed to
+another buffer before the wait, an input overwritten (by another stream or the host) before the
+collective's late turn, and an allocator block freed before the wait (poisoned) all see wrong data
+every time -- on simulated streams and on gloo's own path for CPU tensors; the correct sequence,
+and a write ordered after the collective on its own stream, see the right data. And the host
+never blocks: a stream-ordered call returns before the data moved. PREMUL_SUM, which gloo lacks,
+is emulated exactly.
 """
 
 from __future__ import annotations
