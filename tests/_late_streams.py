@@ -1,33 +1,48 @@
 """Stream operations for collectives that run late on an accelerator (``tests/_slow_collectives.py``).
 
-A collective launched on a CUDA stream (NCCL) reads its inputs when the stream reaches it and
-writes its outputs some time later, while the host has long moved on. To reproduce that with a
-backend that cannot (gloo stages through host memory, and two ranks cannot share one GPU under
-NCCL), the harness does, *on the launching stream at the call*:
+A collective launched on a CUDA stream (NCCL) is a kernel on that stream: it starts when the
+stream reaches it -- after everything enqueued before it there -- reads its inputs while it runs,
+and writes its outputs some time later, while the host has long moved on. Until it ends the
+stream goes no further. To reproduce that with a backend that cannot (gloo stages through host
+memory, and two ranks cannot share one GPU under NCCL), the harness enqueues, *on the launching
+stream at the call*:
 
-1. copy every input into page-locked host staging memory (the inputs are read at the stream's
-   position, as a kernel there would read them);
-2. record an event ``staged``;
-3. enqueue a **gate**: the stream stops until the host opens it;
-4. copy the staged outputs back into the output tensors;
-5. record an event ``done`` (what ``work.wait()`` makes the current stream wait on).
+1. an event ``reached`` (the stream got to the collective: the work before it has run);
+2. a **gate**: the stream stops until the host opens it (the collective "kernel" runs);
+3. the copy of the staged outputs back into the output tensors;
+4. an event ``done`` (what ``work.wait()`` makes the current stream wait on).
 
-A worker thread waits for ``staged``, sleeps the injected delay, runs the real collective on
-the staged host tensors and opens the gate. Nothing blocks the host at the call, and the outputs
-change tens of milliseconds later: a consumer that skipped the wait, a block freed before it or
-reused on another stream sees the old contents every time.
+A worker thread waits for ``reached``, sleeps the injected delay, and only *then* reads the inputs
+into host staging memory (:meth:`read`, from the worker, not from the launching stream, which is
+held at the gate: nothing enqueued after the collective there can run first), runs the real
+collective on the staged host tensors and opens the gate. Nothing blocks the host at the call.
+So the inputs are read, and the outputs change, tens of milliseconds after the call: a consumer
+that skipped the wait, a block freed or reused before it, or an input that something else
+overwrites (another stream, the host) before the collective's turn, meets the late collective
+every time. Where the input is read from is the address taken at the call (:meth:`source`), as a
+kernel's pointer is: on CUDA a non-owning alias, so a block that the runtime frees and torch's
+caching allocator hands to a new owner (on a stream not ordered after the collective) is read
+with the new owner's data -- the missing ``record_stream`` / missing event class of bug.
 
-Two implementations of the same six operations:
+A collective with nothing to write back (a send, a barrier) gets no gate, so that a send and a
+receive queued on one stream do not deadlock here (NCCL would need them in one group); its input
+is copied into staging at the stream's position (the earliest a kernel there could read it).
+
+Two implementations of the same operations:
 
 * :class:`CudaStreams` -- real CUDA streams; the gate is ``cuStreamWaitValue32`` on a flag in
   page-locked memory (the stream polls it on the device), or, where the driver refuses stream
   memory operations, ``cuLaunchHostFunc`` with a host function that blocks until opened (the
-  stream cannot pass it before it returns). Both are CUDA driver calls through ``ctypes``.
+  stream cannot pass it before it returns). Both are CUDA driver calls through ``ctypes``. The
+  worker reads inputs on a stream of its own (non-blocking: it never waits for the held stream).
 * :class:`SimStreams` -- simulated streams for CPU tests of the same logic: each stream is a
   thread running its queued operations in order, events are set when the stream reaches them,
   and a gate is a ``threading.Event`` the stream waits on. Tensors are CPU tensors standing for
-  device memory. Ordering, delay and the failure of a missing wait are then deterministic on a
-  machine without a GPU.
+  device memory; the worker reads them directly. Ordering, delay and the failure of a missing
+  wait are then deterministic on a machine without a GPU. Their memory is referenced, not
+  aliased (a CPU block freed to malloc may be unmapped, and reading it would crash the rank): a
+  premature free shows through the runtime's allocator instead, whose released blocks the
+  harness poisons (``SlowCollectives(poison_frees=True)``).
 """
 
 from __future__ import annotations
@@ -44,9 +59,20 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CudaStreams", "SimStreams", "GATE_ENV"]
+__all__ = ["CudaStreams", "SimStreams", "GATE_ENV", "alias"]
 
 GATE_ENV = "MFSDP2_SLOW_GATE"  # "memop" | "hostfunc": force one CUDA gate (default: memop, else hostfunc)
+
+
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed through a non-owning storage at the address its memory has *now*: it neither
+    keeps the memory alive nor follows a storage that is re-pointed afterwards (mfsdp2's reshard).
+    The caller keeps the memory mapped (see the users)."""
+    st = t.untyped_storage()
+    if st.nbytes() == 0:
+        return t
+    view = torch._C._construct_storage_from_data_pointer(st.data_ptr(), t.device, st.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(view, t.storage_offset(), t.shape, t.stride())
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,17 +156,39 @@ class CudaStreams:
     def __init__(self) -> None:
         self._gate = None
         self.gate_name = ""
+        self._readers: dict = {}  # device index -> the worker's stream for reading inputs
 
     @staticmethod
     def owns(tensors: list[torch.Tensor]) -> bool:
         return any(t.is_cuda for t in tensors)
 
     @staticmethod
-    def stage(t: torch.Tensor, copy: bool) -> torch.Tensor:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        if copy:
-            host.copy_(t, non_blocking=True)  # on the current (launching) stream
-        return host
+    def stage(t: torch.Tensor) -> torch.Tensor:
+        """Page-locked host memory for ``t``'s data (filled later: :meth:`read`, :meth:`stage_now`)."""
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+    @staticmethod
+    def stage_now(host: torch.Tensor, t: torch.Tensor) -> None:
+        host.copy_(t, non_blocking=True)  # on the current (launching) stream, at its position
+
+    @staticmethod
+    def source(t: torch.Tensor) -> torch.Tensor:
+        """What the worker reads at the collective's turn: ``t``'s memory at the call's address,
+        not owned (a kernel holds a pointer, not a reference): freeing ``t`` meanwhile lets
+        torch's caching allocator hand the block on, and the late read then sees the new owner's
+        data. The block stays mapped (the caching allocator keeps segments until
+        ``empty_cache``), so the read itself is safe."""
+        return alias(t)
+
+    def read(self, host: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` into ``host`` now, on the worker's own stream, and wait for it."""
+        with torch.cuda.device(src.device):
+            reader = self._readers.get(src.device.index)
+            if reader is None:
+                reader = self._readers[src.device.index] = torch.cuda.Stream(src.device)
+            with torch.cuda.stream(reader):
+                host.copy_(src, non_blocking=True)
+            reader.synchronize()
 
     @staticmethod
     def record():
@@ -286,11 +334,20 @@ class SimStreams:
     def owns(tensors: list[torch.Tensor]) -> bool:
         return True
 
-    def stage(self, t: torch.Tensor, copy: bool) -> torch.Tensor:
-        host = torch.empty(t.shape, dtype=t.dtype)
-        if copy:
-            self.run(lambda: host.copy_(t))
-        return host
+    @staticmethod
+    def stage(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype)
+
+    def stage_now(self, host: torch.Tensor, t: torch.Tensor) -> None:
+        self.run(lambda: host.copy_(t))
+
+    @staticmethod
+    def source(t: torch.Tensor) -> torch.Tensor:
+        return t  # referenced: see the module docstring
+
+    @staticmethod
+    def read(host: torch.Tensor, src: torch.Tensor) -> None:
+        host.copy_(src)
 
     def record(self) -> SimEvent:
         ev = SimEvent()

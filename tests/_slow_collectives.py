@@ -1,27 +1,38 @@
-"""Collectives that run late, for tests: buffer-reuse and ordering bugs become deterministic.
+"""Collectives that run late, for tests: buffer-lifetime and ordering bugs become deterministic.
 
-A runtime that reuses a buffer before the collective using it has finished, or reads a gathered
-weight before the gather wrote it, is usually saved by luck: gloo finishes a small collective
-within microseconds, and a collective on a GPU stream usually ends before anyone looks. While
-:class:`SlowCollectives` is installed, every ``torch.distributed`` collective called in this
-process moves its data ``delay_s`` after the call, and the host never waits for that:
+A runtime that reuses a buffer before the collective using it has finished, frees or overwrites
+a collective's input before the collective read it, or reads a gathered weight before the gather
+wrote it, is usually saved by luck: gloo finishes a small collective within microseconds, and a
+collective on a GPU stream usually ends before anyone looks. While :class:`SlowCollectives` is
+installed, every ``torch.distributed`` collective called in this process reads its inputs and
+writes its outputs ``delay_s`` after the call, and the host never waits for that:
 
 * **CPU tensors**: the call is *issued* ``delay_s`` later by one worker thread (in call order, so
-  every rank issues the same sequence) with the real backend doing the work then; the returned
-  work object reports completion only after that (an ``async_op=False`` call waits for it, as it
-  must). The addresses are taken at the call, as a launch takes them (re-pointing a storage
-  afterwards does not move the collective).
+  every rank issues the same sequence) with the real backend doing the work then -- reading the
+  inputs then too; the returned work object reports completion only after that (an
+  ``async_op=False`` call waits for it, as it must). The addresses are taken at the call, as a
+  launch takes them (re-pointing a storage afterwards does not move the collective); the
+  caller's tensors stay referenced (gloo reads and writes through them).
 * **Accelerator tensors** (``device="cuda"``; or simulated streams in CPU tests): the call enqueues
-  on the *current stream* a copy of the inputs into host staging memory, a device-side **gate**,
-  and the copy of the results back into the outputs, then returns at once (``async_op=False``
-  too: as an NCCL call does). A worker waits for the inputs to be staged, sleeps the delay, runs
-  the real collective (gloo) on the staging memory, and opens the gate. The returned work's
-  ``wait()`` makes the current stream wait for the copy back -- NCCL's semantics, never the
-  host's. See ``tests/_late_streams.py`` for the stream operations and the gates.
+  on the *current stream* an event ``reached``, a device-side **gate** and the copy of the results
+  back into the outputs, then returns at once (``async_op=False`` too: as an NCCL call does). A
+  worker waits until the stream reached the gate (the work before the collective on its stream
+  has run), sleeps the delay, *then* reads the inputs into host staging memory, runs the real
+  collective (gloo) there and opens the gate. The returned work's ``wait()`` makes the current
+  stream wait for the copy back -- NCCL's semantics, never the host's. See
+  ``tests/_late_streams.py`` for the stream operations, the gates and where inputs are read from.
 
 So anything the caller does with those buffers before the wait -- reading the output, writing the
-input, handing their memory to another buffer, or reusing it on another stream -- meets the late
-collective every time.
+input, freeing either, handing their memory to another buffer, or reusing it on another stream --
+meets the late collective every time.
+
+A premature *free* is made visible by poisoning (``poison_frees=True``, the default): every block
+the runtime's allocator (``mfsdp2.memory.allocator.BucketAllocator.free``) takes back is filled
+with NaN where it is freed and kept out of reuse until the harness exits (:meth:`SlowCollectives._poison`).
+All of the runtime's collective buffers -- gradients to reduce, reduce-scatter outputs and
+scratch, gathered weights, float8 gather inputs -- come from that allocator, so a free before the
+wait turns the late collective's input (or the block its output lands in) into NaN, whatever
+malloc or torch's allocator would have done with it. Counter: ``poisoned``.
 
 With ``stream_ordered=True`` (the default on CUDA) the harness also presents the process group to
 mfsdp2 as a stream-ordered backend (NCCL): ``mfsdp2.comm.communicator`` then takes its NCCL path -- collectives
@@ -29,10 +40,15 @@ called with ``async_op=False`` inside its side streams and an event recorded aft
 is what runs on GPUs in production and cannot otherwise run with two ranks on one GPU. False
 keeps gloo's own path (``async_op=True``, the work waited). gloo lacks nothing mfsdp2's NCCL path
 uses except a native AVG on older torch: the harness runs AVG as SUM and divides the staged result.
+With ``premul_sum=True`` it also presents the group as having NCCL's ``PREMUL_SUM`` (so the
+runtime's reduce plan picks it: a gradient divide factor other than the shard group's size, float32)
+and runs a ``PREMUL_SUM(f)`` as gloo can: the inputs, read at the collective's turn, times ``f``, then
+``SUM`` -- the arithmetic NCCL performs inside the collective.
 
 Counters: ``issued`` (collectives delayed); ``waited_early`` (``wait()`` called before the data
 moved: the delay mattered to a waiter); ``overtaken`` (a later collective was issued before this
-one's data moved: the host did not block on it).
+one's data moved: the host did not block on it); ``poisoned`` (blocks poisoned at their free);
+``premul_issued`` (``PREMUL_SUM`` collectives run as a scaled ``SUM``).
 """
 
 from __future__ import annotations
@@ -48,7 +64,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ._late_streams import CudaStreams
+from ._late_streams import CudaStreams, alias
 
 # The functions mfsdp2 (and these tests) call; p2p ones are asynchronous by nature.
 _ASYNC_KW = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
@@ -144,8 +160,16 @@ class SlowCollectives:
     the group to mfsdp2 as NCCL-like (default: on CUDA)."""
 
     def __init__(self, delay_s: float = 0.02, device: torch.device | str = "cpu", streams=None,
-                 stream_ordered: Optional[bool] = None) -> None:
+                 stream_ordered: Optional[bool] = None, poison_frees: bool = True,
+                 premul_sum: bool = False) -> None:
         self.delay_s = delay_s
+        self.poison_frees = poison_frees
+        self.premul_sum = premul_sum
+        self.poisoned = 0
+        self.premul_issued = 0  # PREMUL_SUM collectives run as a scaled SUM
+        self._quarantine: list[torch.Tensor] = []
+        self._saved_free = None
+        self._saved_op_support = None
         self.device = torch.device(device)
         self.streams = streams if streams is not None else (CudaStreams() if self.device.type == "cuda" else None)
         self.stream_ordered = self.device.type == "cuda" if stream_ordered is None else stream_ordered
@@ -172,11 +196,34 @@ class SlowCollectives:
             for mod in (dist, c10d):
                 if getattr(mod, name, None) is orig:
                     setattr(mod, name, wrapped)
+        from mfsdp2.comm.registry import clear_communicators
+
+        # A communicator decides its path (stream-ordered, PREMUL_SUM) when it is made, and
+        # mfsdp2 keeps one per group: one made outside this harness, or under another persona,
+        # would keep its path here. So the cache is dropped at the entry and at the exit.
+        clear_communicators()
         if self.stream_ordered:
             import mfsdp2.comm.communicator as comm
 
             self._saved_policy = comm.stream_ordered_backend
             comm.stream_ordered_backend = lambda name, device_type: device_type == "cuda"
+        if self.premul_sum:
+            import mfsdp2.comm.communicator as comm
+
+            self._saved_op_support = real_support = comm.reduce_op_support
+            comm.reduce_op_support = lambda backend: (True, real_support(backend)[1])
+        if self.poison_frees:
+            from mfsdp2.memory.allocator import BucketAllocator
+
+            self._saved_free = real_free = BucketAllocator.free
+
+            def free(alloc, key) -> None:
+                block = alloc._live.get(key)
+                if block is not None:
+                    self._poison(block)
+                real_free(alloc, key)
+
+            BucketAllocator.free = free
         for target, label in ((self._run, "slow-collectives"), (self._complete, "slow-collectives-done")):
             t = threading.Thread(target=target, name=label, daemon=True)
             t.start()
@@ -203,12 +250,45 @@ class SlowCollectives:
                 for mod in (dist, c10d):
                     if getattr(mod, name, None) is self._wrappers[name]:
                         setattr(mod, name, orig)
-            if self._saved_policy is not None:
-                import mfsdp2.comm.communicator as comm
+            import mfsdp2.comm.communicator as comm
+            from mfsdp2.comm.registry import clear_communicators
+            from mfsdp2.memory.allocator import BucketAllocator
 
+            clear_communicators()
+            if self._saved_policy is not None:
                 comm.stream_ordered_backend = self._saved_policy
+            if self._saved_op_support is not None:
+                comm.reduce_op_support = self._saved_op_support
+            if self._saved_free is not None:
+                BucketAllocator.free = self._saved_free
+            self._quarantine.clear()  # every late collective has ended
         if self.errors and exc[0] is None:
             raise AssertionError(f"slow collectives: the late collectives failed: {self.errors[:3]!r}")
+
+    # -- poisoned frees ------------------------------------------------------------------------
+    def _poison(self, block: torch.Tensor) -> None:
+        """A block the runtime's allocator takes back: fill it with NaN (0xFF bytes for one-byte
+        types, float8's NaN; -1 for integers) where the free happens -- on the current stream,
+        where a new owner's first write would land -- and keep it referenced until the harness
+        exits, so neither malloc nor torch's caching allocator hands it on or unmaps it. A
+        collective that still reads it reads the poison every time (the new owner's data is
+        luck: a block freed to malloc is reused, or not, by whoever asks next); one that still
+        writes it writes memory nobody else holds. A runtime that frees after the wait never
+        sees it: the wait ordered the free, and so the fill, after the collective."""
+        if block.numel() == 0 or block.dtype == torch.bool:
+            return
+        if block.element_size() == 1:
+            fill = functools.partial(block.view(torch.uint8).fill_, 0xFF)
+        elif block.dtype.is_floating_point or block.dtype.is_complex:
+            fill = functools.partial(block.fill_, float("nan"))
+        else:
+            fill = functools.partial(block.fill_, -1)
+        if block.device.type == "cpu" and self.streams is not None and hasattr(self.streams, "run"):
+            self.streams.run(fill)  # simulated device memory: on the current simulated stream
+        else:
+            fill()  # the CPU now; CUDA: enqueued on the current stream
+        self.poisoned += 1
+        self._quarantine.append(block)
 
     # -- the delayed call ----------------------------------------------------------------------
     def _call(self, name: str, *args, **kwargs) -> Any:
@@ -232,7 +312,8 @@ class SlowCollectives:
         return late
 
     def _call_on_stream(self, name: str, orig: Callable, args, kwargs) -> Any:
-        """Enqueue staging, gate and copy back on the current stream; return without waiting."""
+        """Enqueue ``reached``, the gate and the copy back on the current stream; return without
+        waiting. The worker reads the inputs at the collective's turn (``_run``)."""
         async_op = bool(kwargs.pop("async_op", False))
         sig = _signature(orig)
         bound = sig.bind(*args, **kwargs)
@@ -240,38 +321,46 @@ class SlowCollectives:
         outs, ins = _IO[name]
         st = self.streams
         writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        reads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging, where the worker reads it)
+        now: list[tuple[torch.Tensor, torch.Tensor]] = []  # staged at the stream's position
         staged: dict[str, Any] = {}
+        gated = any(_tensors(bound.arguments.get(params[i])) for i in outs)  # something to write back
         for i in sorted(set(outs) | set(ins)):
             pname = params[i]
             value = bound.arguments[pname]
 
             def stage(t: torch.Tensor, i=i) -> torch.Tensor:
-                host = st.stage(t, copy=i in ins)  # inputs read at the stream's position
+                host = st.stage(t)
+                if i in ins:
+                    (reads if gated else now).append((host, st.source(t) if gated else t))
                 if i in outs:
                     writes.append((t, host))
                 return host
 
             staged[pname] = type(value)(stage(t) for t in value) if isinstance(value, (list, tuple)) else stage(value)
-        staged_in = st.record()
-        # Nothing to write back (a send, a barrier): no gate, so the stream does not stop at it. A
-        # send and a receive queued on one stream then do not deadlock here (NCCL would need them
-        # in one group); what a send reads was staged at the stream's position.
-        token = st.gate() if writes else None
+        for host, t in now:
+            st.stage_now(host, t)
+        reached = st.record()
+        token = st.gate() if gated else None
         for dst, host in writes:
             st.write_back(dst, host)
         done = st.record()
         bound.arguments.update(staged)
-        divide = 0
+        divide, scale = 0, None
         op = bound.arguments.get("op")
         if op is not None and op == dist.ReduceOp.AVG:
             bound.arguments["op"] = dist.ReduceOp.SUM
             divide = dist.get_world_size(bound.arguments.get("group"))
+        elif op is not None and op == dist.ReduceOp.PREMUL_SUM:
+            bound.arguments["op"], scale = dist.ReduceOp.SUM, _premul_factor(op)
+            self.premul_issued += 1
         work = _StreamWork(self, name, self.issued, done, token)
         self.issued += 1
         self._pending = [w for w in self._pending if not (isinstance(w, _StreamWork) and w.is_completed())]
         self._pending.append(work)
         hosts = [h for _, h in writes]
-        self._queue.put(("stream", time.monotonic() + self.delay_s, name, orig, bound, staged_in, work, hosts, divide))
+        self._queue.put(("stream", time.monotonic() + self.delay_s, name, orig, bound, reached, reads, scale, work,
+                         hosts, divide))
         return work if (async_op or name in _P2P) else None
 
     def _run(self) -> None:
@@ -285,16 +374,23 @@ class SlowCollectives:
                 _, due, name, orig, (args, kwargs), _originals, late = item  # the originals: kept referenced
                 time.sleep(max(0.0, due - time.monotonic()))
                 try:
+                    args, kwargs, premul = _emulate_premul_sum(name, orig, args, kwargs)
+                    self.premul_issued += premul
                     work = orig(*args, **kwargs) if name in _P2P else orig(*args, async_op=True, **kwargs)
                 except BaseException as e:  # noqa: BLE001 - handed to the waiter
                     late._settle(None, e)
                 else:
                     late._settle(work, None)
                 continue
-            _, due, name, orig, bound, staged_in, work, hosts, divide = item
+            _, due, name, orig, bound, reached, reads, scale, work, hosts, divide = item
             try:
-                self.streams.host_wait(staged_in)  # the inputs are in host memory
+                self.streams.host_wait(reached)  # the stream got to the collective: held at its gate
                 time.sleep(max(0.0, due - time.monotonic()))
+                for host, src in reads:  # the collective's turn: it reads its inputs now
+                    self.streams.read(host, src)
+                    if scale is not None:
+                        host.mul_(scale)
+                reads.clear()  # drop the aliases and references at once
                 real = (orig(*bound.args, **bound.kwargs) if name in _P2P
                         else orig(*bound.args, async_op=True, **bound.kwargs))
             except BaseException as e:  # noqa: BLE001 - the gate must open anyway
@@ -330,11 +426,39 @@ class SlowCollectives:
 
 def _pin(x: Any) -> Any:
     """``x`` with every CPU tensor replaced by an alias of the memory it points at *now* (a
-    non-owning storage at its current address; the original stays referenced by the caller)."""
+    non-owning storage at its current address; the original stays referenced by the harness)."""
     if isinstance(x, (list, tuple)):
         return type(x)(_pin(v) for v in x)
-    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.untyped_storage().nbytes() == 0:
+    if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
         return x
-    st = x.untyped_storage()
-    alias = torch._C._construct_storage_from_data_pointer(st.data_ptr(), x.device, st.nbytes())
-    return torch.empty(0, dtype=x.dtype).set_(alias, x.storage_offset(), x.shape, x.stride())
+    return alias(x)
+
+
+def _premul_factor(op) -> float:
+    return float(op.factor)
+
+
+def _emulate_premul_sum(name: str, orig: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+    """A ``PREMUL_SUM(f)`` call (NCCL's; gloo has none) as gloo can run it: the inputs multiplied
+    by ``f``, read now (the collective's turn), then ``SUM`` -- the arithmetic NCCL performs
+    inside the collective. An input that is also the output (an in-place all-reduce) is scaled
+    in place (the collective overwrites it anyway); any other is replaced by a scaled copy."""
+    sig = _signature(orig)
+    bound = sig.bind(*args, **kwargs)
+    op = bound.arguments.get("op")
+    if op is None or op != dist.ReduceOp.PREMUL_SUM:
+        return args, kwargs, False
+    factor = _premul_factor(op)
+    params = list(sig.parameters)
+    outs, ins = _IO[name]
+    for i in ins:
+        value = bound.arguments[params[i]]
+        if i in outs:
+            for t in _tensors(value):
+                t.mul_(factor)
+        elif isinstance(value, (list, tuple)):
+            bound.arguments[params[i]] = type(value)(t * factor for t in value)
+        else:
+            bound.arguments[params[i]] = value * factor
+    bound.arguments["op"] = dist.ReduceOp.SUM
+    return bound.args, bound.kwargs, True

@@ -14,11 +14,15 @@ stream-ordered (``async_op=True``, the work waited); one run uses the real gloo 
 and no harness at all.
 
 * Parity: float64 training equals the single-process unsharded reference within REL_F64 (CPU and
-  CUDA); every run -- float32, bf16 compute (MixedPrecisionPolicy), float64 -- equals bit for
-  bit the same run with the delay at 0 (only timing differs, so nothing else may): caching and
-  trace-pool allocators, prefetch depth 0, 1 and 2, gradient accumulation without sync,
-  activation checkpointing. A block handed to another buffer (or reused on another stream) before
-  the collective that used it ended -- the buffer-reuse rule: "allocator blocks are reused only
+  CUDA); every run -- float32, bf16 compute (MixedPrecisionPolicy), FP8 all-gathers, float64 --
+  equals bit for bit the same run with the delay at 0 (only timing differs, so nothing else
+  may): caching and trace-pool allocators, prefetch depth 0, 1 and 2, gradient accumulation
+  without sync, activation checkpointing, CPU offload, HSDP (a 2 x 2 mesh, four ranks), and a
+  gradient divide factor reduced with PREMUL_SUM (gloo has none: the harness presents the group
+  as having it, and the run equals the runtime's own pre-scaled SUM bit for bit). Collectives
+  read their inputs late too, and every block the runtime's allocator takes back is poisoned
+  (NaN) where it is freed: a block handed to another buffer, freed or overwritten before the
+  collective that used it ended -- the buffer-reuse rule: "allocator blocks are reused only
   after the wait of the collective that used them" -- or a gathered weight read before the
   gather wrote it, gives wrong numbers here.
 * Order: the runtime's event log (gathers issued, forward/backward begin/end, reductions issued
@@ -27,7 +31,9 @@ and no harness at all.
 * The delay mattered: on the stream path the host issued later collectives before earlier ones
   moved their data (``overtaken``), on gloo's path waits came before the data (``waited_early``).
 * The harness can fail: a runtime that takes its all-gathers as finished when issued (no wait,
-  no stream wait) trains to different numbers under slow collectives, on CPU and on CUDA.
+  no stream wait), one that frees a reduce-scatter's input right after issuing it, and one that
+  overwrites an all-gather's input right after issuing it train to different numbers under slow
+  collectives, on CPU and on CUDA; the real runtime trains right.
 * gloo with CUDA tensors does not block the host: a gather issued while the GPU is busy returns
   before the GPU could have run it.
 """
@@ -43,6 +49,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from torch.distributed.fsdp import CPUOffloadPolicy
+
 from mfsdp2 import FSDPModule, MixedPrecisionPolicy, fully_shard
 from mfsdp2.base.profiling import event_log
 
@@ -51,14 +59,23 @@ from .._slow_collectives import SlowCollectives
 from ..models import F64, REL_F64, Block, assert_close_rel, batch, build, loss_fn, make_opt
 
 STEPS, GB, DELAY = 3, 8, 0.02
+E4M3 = torch.float8_e4m3fn
 # (allocator, prefetch depth, mode, dtype, path): path "stream" = mfsdp2's NCCL path, "gloo" =
 # its path for backends that are not stream-ordered, "real" = real gloo on CUDA, no harness.
+# Modes beyond the training loop's own ("plain", "accumulate", "checkpoint"): "hsdp" (a 2-D
+# mesh, replicas x shards), "offload" (CPUOffloadPolicy), "premul" (a gradient divide factor the
+# reduce plan gives NCCL's PREMUL_SUM for: the harness presents the group as having it, see
+# _slow_collectives). dtype "fp8": bf16 compute, float8 all-gathers (docs/precision.md).
 CPU_CONFIGS = [
     ("caching", 1, "plain", "fp64", "gloo"),
     ("trace_pool", 2, "plain", "fp64", "gloo"),
     ("caching", 0, "accumulate", "fp64", "gloo"),
     ("trace_pool", 1, "checkpoint", "fp64", "gloo"),
+    ("caching", 1, "offload", "fp64", "gloo"),
+    ("trace_pool", 1, "plain", "fp8", "gloo"),
+    ("caching", 1, "premul", "fp32", "gloo"),
 ]
+CPU4_CONFIGS = [("caching", 1, "hsdp", "fp64", "gloo")]
 CUDA_CONFIGS = [
     ("caching", 1, "plain", "fp64", "stream"),
     ("trace_pool", 2, "plain", "fp32", "stream"),
@@ -69,13 +86,19 @@ CUDA_CONFIGS = [
     ("caching", 1, "checkpoint", "bf16", "stream"),
     ("trace_pool", 1, "plain", "fp64", "gloo"),
     ("caching", 2, "accumulate", "bf16", "gloo"),
+    ("caching", 1, "offload", "fp32", "stream"),
+    ("trace_pool", 1, "plain", "fp8", "stream"),
+    ("caching", 1, "premul", "fp32", "stream"),
 ]
-CUDA4_CONFIGS = [("trace_pool", 1, "plain", "fp64", "stream"), ("caching", 1, "accumulate", "bf16", "stream")]
-_RUNS = ([("cpu", 2, c) for c in CPU_CONFIGS] + [("cuda", 2, c) for c in CUDA_CONFIGS]
-         + [("cuda", 4, c) for c in CUDA4_CONFIGS])
+CUDA4_CONFIGS = [("trace_pool", 1, "plain", "fp64", "stream"), ("caching", 1, "accumulate", "bf16", "stream"),
+                 ("trace_pool", 1, "hsdp", "fp64", "stream")]
+_RUNS = ([("cpu", 2, c) for c in CPU_CONFIGS] + [("cpu", 4, c) for c in CPU4_CONFIGS]
+         + [("cuda", 2, c) for c in CUDA_CONFIGS] + [("cuda", 4, c) for c in CUDA4_CONFIGS])
+PREMUL_FACTOR = 4.0  # neither 1 nor the shard group's size: FSDP2's PREMUL_SUM case
 # One launch of ranks per (device, world size) serves all its cases: under pytest -n
 # --dist loadgroup its cases stay on one worker.
-CASES = [pytest.param(d, ws, c, id=f"{d}{ws}-" + "-".join(map(str, c)), marks=pytest.mark.xdist_group(f"slow-{d}{ws}"))
+CASES = [pytest.param(d, ws, c, id=f"{d}{ws}-" + "-".join(map(str, c)),
+                      marks=[pytest.mark.xdist_group(f"slow-{d}{ws}")] + ([pytest.mark.cuda] if d == "cuda" else []))
          for d, ws, c in _RUNS]
 needs_cuda = pytest.mark.cuda  # two ranks share the one GPU
 
@@ -96,6 +119,12 @@ def _micro_batches(mode: str, rank: int, ws: int) -> list[tuple[int, int]]:
 
 @functools.lru_cache(maxsize=None)
 def _reference(mode: str, ws: int):
+    if mode not in ("plain", "accumulate", "checkpoint"):  # hsdp, offload: the same arithmetic as plain
+        return _reference("plain", ws)
+    return _unsharded_reference(mode, ws)
+
+
+def _unsharded_reference(mode: str, ws: int):
     """Unsharded float64: every rank's micro-batches, each loss divided by the world size (the
     sharded run averages the ranks' gradients and sums the micro-batches')."""
     torch.set_num_threads(1)
@@ -112,12 +141,37 @@ def _reference(mode: str, ws: int):
 
 
 def _full(p) -> torch.Tensor:
+    if len(p.placements) > 1:  # HSDP: replicated over the first dimension
+        return p.full_tensor().detach().clone()
     (pl,) = p.placements
     return pl._to_replicate_tensor(p._local_tensor.detach(), p.device_mesh, 0, p.shape).clone()
 
 
 _DTYPES = {"fp64": (F64, None), "fp32": (torch.float32, None),
-           "bf16": (torch.float32, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))}
+           "bf16": (torch.float32, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+           "fp8": (torch.float32, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                       all_gather_dtype=E4M3))}
+
+
+def _mesh(device: str, mode: str, ws: int):
+    """The world as one shard group, or (hsdp) as 2 replicas x ws/2 shards -- on gloo, checked as
+    :func:`world_mesh` checks the 1-D one (two ranks share the one GPU)."""
+    if mode != "hsdp":
+        return world_mesh(device)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mfsdp2.comm.devices import group_backend
+
+    mesh = init_device_mesh(device, (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    for dim in range(2):
+        backend = group_backend(mesh.get_group(dim), device)
+        if backend != "gloo":
+            raise RuntimeError(f"the HSDP mesh's dimension {dim} runs its {device} collectives on {backend!r}")
+    return mesh
+
+
+def _harness(delay: float, device: str, path: str, mode: str) -> SlowCollectives:
+    return SlowCollectives(delay, device, stream_ordered=path == "stream", premul_sum=mode == "premul")
 
 
 def _train(rank: int, ws: int, device: str, allocator: str, depth: int, mode: str, dtype: str = "fp64",
@@ -140,7 +194,7 @@ def _train(rank: int, ws: int, device: str, allocator: str, depth: int, mode: st
 
 def _fit(rank: int, ws: int, device: str, allocator: str, depth: int, mode: str, dtype: str, keep,
          keep_gathered: bool = False):
-    mesh = world_mesh(device)  # gloo asserted: two ranks share the one GPU
+    mesh = _mesh(device, mode, ws)  # gloo asserted: two ranks share the one GPU
     param_dtype, mp = _DTYPES[dtype]
     model = build("net", dtype=param_dtype).to(device)
     if keep is not None:
@@ -149,10 +203,14 @@ def _fit(rank: int, ws: int, device: str, allocator: str, depth: int, mode: str,
         for b in model.blocks:
             b.__class__ = _CkptBlock
     kw = {"mp_policy": mp} if mp is not None else {}
+    if mode == "offload":
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device == "cuda")
     for b in model.blocks:
         fully_shard(b, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, allocator=allocator, **kw)
     model.set_prefetch_depth(depth)
+    if mode == "premul":
+        model.set_gradient_divide_factor(PREMUL_FACTOR, recurse=True)
     if keep_gathered:
         model.set_reshard_after_forward(False)
         model.set_reshard_after_backward(False)
@@ -190,13 +248,16 @@ def _runs(rank: int, ws: int, device: str, configs: list) -> dict:
             params, log = _train(rank, ws, device, *train_cfg)
             out[cfg] = {"params": params, "log": log}
             continue
-        ordered = path == "stream"
-        fast = _train(rank, ws, device, *train_cfg, harness=SlowCollectives(0.0, device, stream_ordered=ordered))
-        slow = SlowCollectives(DELAY, device, stream_ordered=ordered)
+        mode = cfg[2]
+        fast = _train(rank, ws, device, *train_cfg, harness=_harness(0.0, device, path, mode))
+        slow = _harness(DELAY, device, path, mode)
         params, log = _train(rank, ws, device, *train_cfg, harness=slow)
         out[cfg] = {"params": params, "log": log, "fast_params": fast[0], "fast_log": fast[1], "issued": slow.issued,
-                    "waited_early": slow.waited_early, "overtaken": slow.overtaken,
-                    "gate": getattr(slow.streams, "gate_name", "")}
+                    "waited_early": slow.waited_early, "overtaken": slow.overtaken, "poisoned": slow.poisoned,
+                    "premul": slow.premul_issued, "gate": getattr(slow.streams, "gate_name", "")}
+        if mode == "premul":  # the same reduction with the backend's own arithmetic (a pre-scale, SUM)
+            own = SlowCollectives(0.0, device, stream_ordered=path == "stream")
+            out[cfg]["prescaled_params"] = _train(rank, ws, device, *train_cfg, harness=own)[0]
     if device == "cuda" and ws == 2:
         # mfsdp2's gloo path with the real gloo on CUDA tensors (no harness)
         real = ("caching", 1, "plain", "fp64", "real")
@@ -226,6 +287,11 @@ def test_training_with_slow_collectives_matches_the_reference_and_the_undelayed_
     for rank, r in enumerate(runs):
         c = r[cfg]
         assert c["issued"] > 0, c
+        assert c["poisoned"] > 0, "no block the runtime freed was poisoned"
+        if cfg[2] == "premul":  # the PREMUL_SUM path ran, and equals the pre-scaled SUM bit for bit
+            assert c["premul"] > 0, "the reduce plan did not take PREMUL_SUM"
+            for name, v in c["params"].items():
+                assert torch.equal(v, c["prescaled_params"][name]), f"rank {rank} {cfg} {name}: PREMUL_SUM"
         # the delay was there, and it mattered: the host went on (stream path) or waited early (gloo)
         assert (c["overtaken"] if cfg[4] == "stream" else c["waited_early"]) > 0, {
             k: c[k] for k in ("issued", "waited_early", "overtaken")}
@@ -369,3 +435,70 @@ def test_a_runtime_that_does_not_wait_trains_wrong_under_slow_collectives(device
         if waited is not None:
             for name, v in ref.items():
                 assert_close_rel(waited[name].to(F64), v, f"rank {rank} units kept gathered, waiting {name}", REL_F64)
+
+
+def _early_inputs(rank: int, ws: int, device: str) -> dict:
+    """Runtimes that give up a collective's *input* right after launching it, without waiting:
+
+    * ``rs_freed``: each group's flat gradient (the reduce-scatter's input, an allocator block)
+      goes back to the allocator as soon as the reduce-scatter is issued -- the missing
+      ``record_stream`` / missing event class of bug;
+    * ``ag_overwritten``: the all-gather's input (this rank's shard, staged in its slice of the
+      gathered buffer) is overwritten (zeroed) as soon as the gather is issued.
+
+    And the real runtime in the ``rs_freed`` configuration. On the CPU, gloo's reduce-scatter
+    runs as the collective it is (``MFSDP2_GLOO_P2P_REDUCE_SCATTER=0``): the default small
+    reductions share a bucketed all-reduce whose input is the bucket, not the group's block."""
+    from mfsdp2.comm.communicator import Communicator
+    from mfsdp2.groups.grad_reduction import GradientReduction
+    from mfsdp2.memory.allocator import BufferRole
+
+    _setup(device)
+    os.environ["MFSDP2_GLOO_P2P_REDUCE_SCATTER"] = "0"
+    out: dict = {}
+    real_reduce, real_gather = GradientReduction.reduce_grads, Communicator.all_gather
+    count = [0]
+
+    def frees_input_at_launch(self, allocator, key, label="", buckets=None):
+        bucketed = real_reduce(self, allocator, key, label, buckets)
+        if allocator.is_live((BufferRole.GRAD, key)):
+            allocator.free((BufferRole.GRAD, key))  # no wait: the reduce-scatter has not read it yet
+            count[0] += 1
+        return bucketed
+
+    def overwrites_input_at_launch(self, out_, inp, label=""):
+        handle = real_gather(self, out_, inp, label)
+        inp.zero_()  # no wait: the gather has not read it yet
+        count[0] += 1
+        return handle
+
+    for case, attr, broken in (("rs_freed", "reduce_grads", frees_input_at_launch),
+                               ("ag_overwritten", "all_gather", overwrites_input_at_launch)):
+        owner = GradientReduction if attr == "reduce_grads" else Communicator
+        real = getattr(owner, attr)
+        setattr(owner, attr, broken)
+        count[0] = 0
+        try:
+            params = _train(rank, ws, device, "caching", 1, "plain", harness=SlowCollectives(DELAY, device))[0]
+        finally:
+            setattr(owner, attr, real)
+        out[case] = (params, count[0])
+    out["real"] = _train(rank, ws, device, "caching", 1, "plain", harness=SlowCollectives(DELAY, device))[0]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_a_runtime_that_gives_up_a_collective_input_early_trains_wrong_under_slow_collectives(device):
+    """The harness can fail on inputs: a reduce-scatter input freed, or an all-gather input
+    overwritten, right after the launch is read at the collective's late turn -- poisoned
+    (the freed block) or zero -- every time; the real runtime, waiting first, trains right."""
+    ref = _reference("plain", 2)
+    for rank, r in enumerate(run_ranks(_early_inputs, 2, device, timeout=600)):
+        for case in ("rs_freed", "ag_overwritten"):
+            params, given_up = r[case]
+            assert given_up > 0, f"{case}: the broken runtime never ran"
+            wrong = [k for k, v in ref.items() if not torch.allclose(params[k].to(F64), v, rtol=REL_F64, atol=0)]
+            assert wrong, f"rank {rank}: the slow collectives did not expose {case}"
+        for name, v in ref.items():
+            assert_close_rel(r["real"][name].to(F64), v, f"rank {rank} real runtime {name}", REL_F64)
