@@ -160,10 +160,10 @@ def _as_modules(module) -> list[nn.Module]:
     """``module`` or the list of modules that form one unit (FSDP2's ``fully_shard([a, b])``)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
-        raise ValueError("mfsdp2: fully_shard got an empty list of modules; pass a module or a non-empty list")
+        raise ValueError("mfsdp2 E80: fully_shard got an empty list of modules; pass a module or a non-empty list")
     for m in modules:
         if not isinstance(m, nn.Module):
-            raise TypeError(f"mfsdp2: fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
+            raise TypeError(f"mfsdp2 E81: fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
         if isinstance(m, FSDPModule):
             raise AlreadyShardedError(
                 f"mfsdp2 E01: fully_shard was already applied to this {type(m).__name__}; apply it once per module"
@@ -176,7 +176,7 @@ def _as_modules(module) -> list[nn.Module]:
                 "apply it to each module in it, or to the parent module that calls them"
             )
     if len({id(m) for m in modules}) != len(modules):
-        raise ValueError("mfsdp2: fully_shard got the same module twice in its list")
+        raise ValueError("mfsdp2 E82: fully_shard got the same module twice in its list; pass each module once")
     return modules
 
 
@@ -188,16 +188,17 @@ def _dp_mesh(mesh: DeviceMesh, dims, strategy: ShardingStrategy, where: str) -> 
     mfsdp2's way of combining TP: TP DTensors on the sibling sub-mesh."""
     names = mesh.mesh_dim_names
     if names is None:
-        raise ValueError(f"mfsdp2: dp_mesh_dims for {where} needs a mesh with mesh_dim_names")
+        raise ValueError(f"mfsdp2 E83: dp_mesh_dims for {where} needs a mesh with mesh_dim_names; "
+                         "build it with init_device_mesh(..., mesh_dim_names=(...))")
     shard, rep = tuple(dims.shard_names), tuple(dims.replicate_names)
     for n in shard + rep:
         if n not in names:
-            raise ValueError(f"mfsdp2: dp_mesh_dims names {n!r} for {where}, "
+            raise ValueError(f"mfsdp2 E84: dp_mesh_dims names {n!r} for {where}, "
                              f"which is not one of the mesh's dims {names}")
     others = [n for n in names if n not in shard + rep]
     if others:
         raise ValueError(
-            f"mfsdp2: dp_mesh_dims for {where} leaves mesh dims {others} that are not data-parallel; "
+            f"mfsdp2 E85: dp_mesh_dims for {where} leaves mesh dims {others} that are not data-parallel; "
             "mfsdp2 does not take parameters that are DTensors on the whole SPMD mesh. Parallelise with "
             f"the sub-mesh of those dims (parallelize_module(block, mesh[{others[0]!r}], ...)) and call "
             f"fully_shard(block, mesh=mesh[{shard or rep}]) without dp_mesh_dims"
@@ -209,7 +210,9 @@ def _dp_mesh(mesh: DeviceMesh, dims, strategy: ShardingStrategy, where: str) -> 
     if not shard:  # replicate only: DDP
         if strategy not in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM_GRADS_PARAMS):
             raise ValueError(
-                f"mfsdp2: dp_mesh_dims for {where} has no shard dim (DDP) but sharding_strategy={strategy.value!r}"
+                f"mfsdp2 E86: dp_mesh_dims for {where} has no shard dim (DDP) but "
+                f"sharding_strategy={strategy.value!r}; "
+                "name a shard dim, or use sharding_strategy='no_shard'"
             )
         return sub(rep), ShardingStrategy.NO_SHARD
     if not rep:
@@ -225,7 +228,7 @@ def _plain_spmd_params(modules: list[nn.Module], spmd_mesh: DeviceMesh, where: s
             if isinstance(p, DTensor) and p.device_mesh == spmd_mesh:
                 if not all(isinstance(pl, Replicate) for pl in p.placements):
                     raise ValueError(
-                        f"mfsdp2: parameter {attr!r} of {type(sub).__name__} in {where} is a DTensor with "
+                        f"mfsdp2 E87: parameter {attr!r} of {type(sub).__name__} in {where} is a DTensor with "
                         f"{p.placements} on the dp_mesh_dims mesh; FSDP2 and mfsdp2 need Replicate() there"
                     )
                 sub._parameters[attr] = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)

@@ -77,7 +77,7 @@ class FSDPModule(*torch_bases()):
         # its hooks and root context point at this model, and the gathered storage may be freed
         # under it. FSDP2 refuses too (with this error type, which scripts may catch).
         raise AssertionError(
-            f"mfsdp2: {type(self).__name__} was sharded by fully_shard and cannot be deep-copied (neither "
+            f"mfsdp2 E92: {type(self).__name__} was sharded by fully_shard and cannot be deep-copied (neither "
             "can FSDP2 modules). For a copy (an EMA model, a frozen teacher), build the model again, "
             "fully_shard it the same way, then load_state_dict(model.state_dict())"
         )
@@ -150,7 +150,7 @@ class FSDPModule(*torch_bases()):
         state = self._mfsdp2_state
         if state.ctx is not None and not state.is_root:
             raise RuntimeError(
-                f"mfsdp2: reset_iter_state() called on {state.name!r}, which is not the root; call it on "
+                f"mfsdp2 E93: reset_iter_state() called on {state.name!r}, which is not the root; call it on "
                 f"the root module ({state.ctx.root.name!r}), whose reset covers every unit under it"
             )
         self.reset()
@@ -180,8 +180,9 @@ class FSDPModule(*torch_bases()):
         (e.g. a custom all-reduce across replicas). Every (dtype, requires_grad) group of the unit
         calls it with its own buffer. ``stream``: the hook runs on the current stream after the
         reduction was waited; a given stream is made to wait on it and the hook runs there."""
-        if stream is not None and any(g.replicate_comm is not None for g in self._mfsdp2_state.groups):
-            raise ValueError("mfsdp2: set_all_reduce_hook(stream=...) cannot be used with HSDP (as in FSDP2)")
+        if stream is not None and any(g.config.replicate_comm is not None for g in self._mfsdp2_state.groups):
+            raise ValueError("mfsdp2 E94: set_all_reduce_hook(stream=...) cannot be used with HSDP (as in FSDP2); "
+                             "register the hook without a stream")
         run = hook
         if stream is not None:
             def run(t: torch.Tensor) -> None:
@@ -209,12 +210,12 @@ class FSDPModule(*torch_bases()):
         for g in state.groups:
             if g.fp8 is not None:
                 raise ValueError(
-                    f"mfsdp2: set_custom_{what} on {state.name!r}, which gathers in float8 "
+                    f"mfsdp2 E95: set_custom_{what} on {state.name!r}, which gathers in float8 "
                     "(all_gather_dtype): its float8 bytes use mfsdp2's own collectives; drop one of the two"
                 )
             if what == "reduce_scatter" and g.full_grads:
                 raise ValueError(
-                    f"mfsdp2: set_custom_reduce_scatter on {state.name!r}: sharding_strategy="
+                    f"mfsdp2 E96: set_custom_reduce_scatter on {state.name!r}: sharding_strategy="
                     f"{g.strategy.value!r} keeps full gradients (all-reduced, or reduce-scattered into its "
                     "full-size main gradient): a custom reduce-scatter is supported with the sharded-gradient "
                     "strategies only"
@@ -256,9 +257,9 @@ class FSDPModule(*torch_bases()):
         gradients, and its own overlaps the next unit's backward). Each holds a flat gradient
         buffer from the allocator, so a larger value trades memory for more overlap."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
-            raise TypeError(f"mfsdp2: max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+            raise TypeError(f"mfsdp2 E97: max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
-            raise ValueError(f"mfsdp2: max_input_buffers must be >= 1, got {max_input_buffers}")
+            raise ValueError(f"mfsdp2 E98: max_input_buffers must be >= 1, got {max_input_buffers}")
         for s in self._units(recurse):
             s.max_reduce_in_flight = max_input_buffers
 
@@ -280,7 +281,7 @@ class FSDPModule(*torch_bases()):
         """Accepted; mfsdp2 does not allocate symmetric memory: its gathers write into the
         allocator's blocks (zero copy into the parameters), so NCCL uses its regular all-gather."""
         if backend != "NCCL":
-            raise ValueError(f"mfsdp2: set_symm_mem_for_comm backend must be 'NCCL' (as in FSDP2), got {backend!r}")
+            raise ValueError(f"mfsdp2 E99: set_symm_mem_for_comm backend must be 'NCCL' (as in FSDP2), got {backend!r}")
         _log_once("symm_mem", "mfsdp2: set_symm_mem_for_comm: communication buffers come from mfsdp2's "
                   "allocator (no symmetric memory)")
 
@@ -418,7 +419,7 @@ class FSDPModule(*torch_bases()):
         stream). mfsdp2 issues every all-gather asynchronously already: on its side stream on
         accelerators, as an async collective handle on the CPU; the wait is at first use."""
         if not isinstance(async_op, bool):
-            raise TypeError(f"mfsdp2: _set_unshard_async_op takes a bool, got {type(async_op).__name__}")
+            raise TypeError(f"mfsdp2 E79: _set_unshard_async_op takes a bool, got {type(async_op).__name__}")
 
     def _get_fsdp_state(self) -> FSDPState:
         """FSDP2's accessor of the unit state (``fully_shard.state(self)``)."""
@@ -462,7 +463,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if not isinstance(module, FSDPModule):
         return
     if not hasattr(module, method_name):
-        raise ValueError(f"mfsdp2: {type(module).__name__} has no method {method_name!r} to register")
+        raise ValueError(f"mfsdp2 E77: {type(module).__name__} has no method {method_name!r} to register; "
+                         "define it on the module before register_fsdp_forward_method")
     orig = getattr(module, method_name)
 
     @functools.wraps(orig)
@@ -484,7 +486,8 @@ def share_comm_ctx(modules: list) -> None:
         return
     for m in modules:
         if not isinstance(m, FSDPModule):
-            raise ValueError(f"mfsdp2: share_comm_ctx expects FSDP modules, got {type(m).__name__}")
+            raise ValueError(f"mfsdp2 E78: share_comm_ctx expects FSDP modules (call fully_shard on each first), "
+                             f"got {type(m).__name__}")
     first = modules[0]._mfsdp2_state._comm_ctx
     for m in modules[1:]:
         m._mfsdp2_state._comm_ctx = first

@@ -87,7 +87,8 @@ def main_memory_for(offload_policy, compute: torch.device, where: str) -> Option
     if offload_policy is None or type(offload_policy) is OffloadPolicy:
         return None
     if not isinstance(offload_policy, CPUOffloadPolicy):
-        raise TypeError(f"mfsdp2: offload_policy for {where} must be an OffloadPolicy, "
+        raise TypeError(f"mfsdp2 E91: offload_policy for {where} must be an OffloadPolicy "
+                        "(CPUOffloadPolicy() or OffloadPolicy()), "
                         f"got {type(offload_policy).__name__}")
     pin = bool(offload_policy.pin_memory) and torch.cuda.is_available()
     if offload_policy.pin_memory and not pin and "pin" not in _logged:

@@ -45,7 +45,8 @@ class MixedPrecisionPolicy:
         for name in ("param_dtype", "reduce_dtype", "output_dtype", "main_params_dtype", "main_grads_dtype"):
             d = getattr(self, name)
             if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
-                raise ValueError(f"mfsdp2: MixedPrecisionPolicy.{name} must be a floating-point torch.dtype or None, "
+                raise ValueError(f"mfsdp2 E88: MixedPrecisionPolicy.{name} must be a floating-point torch.dtype "
+                                 "or None, "
                                  f"got {d!r}")
         if (
             self.main_params_dtype is not None
@@ -64,7 +65,8 @@ class MixedPrecisionPolicy:
                 f"(torch.float8_e4m3fn, torch.float8_e5m2), got {self.all_gather_dtype!r}"
             )
         if self.all_gather_dtype is not None and self.param_dtype in fp8:
-            raise ValueError("mfsdp2: param_dtype is the compute dtype; float8 goes in all_gather_dtype")
+            raise ValueError("mfsdp2 E89: param_dtype is the compute dtype; float8 goes in all_gather_dtype "
+                             "(param_dtype=torch.bfloat16, all_gather_dtype=torch.float8_e4m3fn)")
 
     @classmethod
     def coerce(cls, policy, where: str = "fully_shard") -> "MixedPrecisionPolicy":
@@ -77,7 +79,7 @@ class MixedPrecisionPolicy:
         fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
         if not all(hasattr(policy, f) for f in fields):
             raise TypeError(
-                f"mfsdp2: mp_policy of {where} must be a MixedPrecisionPolicy (mfsdp2's or "
+                f"mfsdp2 E90: mp_policy of {where} must be a MixedPrecisionPolicy (mfsdp2's or "
                 f"torch.distributed.fsdp's), got {type(policy).__name__}"
             )
         return cls(**{f: getattr(policy, f) for f in fields})
