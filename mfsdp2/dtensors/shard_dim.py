@@ -32,9 +32,20 @@ What differs from FSDP2: the gathered parameter is not contiguous (``weight.view
 module's forward raises; ``reshape`` works), which is what makes the gather copy-free. What it
 costs is measured in docs/design.md ("Shard(dim != 0)").
 
+Tensor- and expert-parallel parameters (:mod:`mfsdp2.dtensors.tensor_parallel`) take any ``d``,
+including the dim their own placement splits (a row-wise parallel weight, ``Shard(1)`` on tp,
+sharded ``Shard(1)``): the layout holds the TP-local tensor dim-``d`` first as any other, and the
+optimizer-facing DTensor lives on the ``(tp, dp)`` mesh as ``(Shard(d), RowShard(d, rows))``.
+DTensor applies placements in mesh order, so that reads "TP splits dim ``d`` of the global
+tensor, dp splits dim ``d`` of the TP piece" -- the truth, with ``rows`` counted within the TP
+piece (``compute_local_shape_and_global_offset`` composes the two offsets; ``full_tensor()``
+gathers dp, then tp). FSDP2 orders its mesh ``(dp, tp)``, where the same layout needs
+``_StridedShard(d, split_factor=tp)``; checkpoints move between the two by offsets. TP pieces of
+unequal sizes (41 columns over tp 2) work too: each TP rank's layout has its own rows, and only
+ranks of one TP coordinate (one dp group) compare them.
+
 Where it cannot apply: ``no_shard`` keeps every parameter whole (the placement is ignored, as
-FSDP2 ignores it on a mesh without a shard dimension), and tensor-parallel parameters are refused
-(their data-parallel shard must stay on dim 0 of the TP-local tensor).
+FSDP2 ignores it on a mesh without a shard dimension).
 """
 
 from __future__ import annotations
@@ -44,8 +55,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import Shard
-
-from .tensor_parallel import is_expert_parallel
 
 __all__ = [
     "InvalidShardDimError",
@@ -99,16 +108,13 @@ def shard_dims(
     params: list[torch.Tensor],
     where: str,
     shards: bool,
-    tp: list,
 ) -> list[int]:
     """The dimension each parameter is sharded on, from FSDP2's ``shard_placement_fn``: ``None``
     and ``Shard(0)`` give 0, ``Shard(d)`` (``d`` may be negative) gives ``d``. Refused, naming the
     parameter: a dimension the parameter does not have (FSDP2's ``AssertionError`` type, reported
-    first, as FSDP2 checks it first), any other placement (``_StridedShard``, ``Replicate``), and
-    ``Shard(d != 0)`` for a model-parallel parameter whose placements already split ``d``
-    (``tp``: each parameter's :class:`~mfsdp2.dtensors.tensor_parallel.TPSpec`, or None; an
-    expert-parallel ``Shard(0)`` weight sharded on dim 1 is torchtitan's case with more
-    expert-sharding ranks than experts). A ``ShardPlacementResult``'s mesh is
+    first, as FSDP2 checks it first) and any other placement (``_StridedShard``, ``Replicate``).
+    A model-parallel parameter's ``d`` is a dim of its TP-local tensor, split or not by its own
+    placement (see the module docstring). A ``ShardPlacementResult``'s mesh is
     resolved before (:mod:`mfsdp2.frontend.param_meshes`): ``shard_placement_fn`` here answers its
     placement. ``shards``: False
     for ``no_shard``, where every parameter stays whole and the answers are not used."""
@@ -135,19 +141,6 @@ def shard_dims(
                 "(strided and replicated placements are not supported)"
             )
     dims = [0 if r is None else r.dim % max(p.dim(), 1) for p, r in zip(params, answers)]
-    for i, d in enumerate(dims):
-        spec = tp[i]
-        if not d or spec is None:
-            continue
-        split = {pl.dim % params[i].dim() for pl in spec.placements if isinstance(pl, Shard)}
-        if d in split:
-            kind = "expert-parallel" if is_expert_parallel(spec.mesh) else "tensor-parallel"
-            raise ValueError(
-                f"mfsdp2 E46: shard_placement_fn returned Shard({d}) for the {kind} parameter {fqns[i]!r} of {where}, "
-                f"whose {kind} placements {spec.placements} already split dim {d}; mfsdp2 shards a model-parallel "
-                f"parameter's local tensor on dim 0 or on a dim its {kind} placements do not split: return "
-                "Shard(0), None, or Shard(d) for such a d"
-            )
     if not shards:
         if any(dims):
             logger.debug("mfsdp2: %s is not sharded (no_shard): shard_placement_fn's dims are not used", where)

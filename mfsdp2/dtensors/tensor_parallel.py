@@ -12,7 +12,8 @@ bug.
   Its gradient arrives as a TP DTensor; its local tensor (a ``Partial`` one reduced first) is what
   the data-parallel reduction packs.
 * The optimizer-facing parameter is a DTensor on a 2-D mesh ordered **(tp, dp)** with placements
-  ``(tp placement, RowShard(0, rows))``. DTensor applies placements left to right, so this says
+  ``(tp placement, RowShard(d, rows))`` (``d``: the dim ``shard_placement_fn`` gives, 0 by
+  default, the one TP splits included). DTensor applies placements left to right, so this says
   exactly what the buffers hold: TP splits the global tensor first, DP then splits the TP-local
   rows. (On a ``(dp, tp)`` ordering, a TP ``Shard(0)`` would be read as "DP first", which is FSDP2's
   reason for ``_StridedShard``.) That mesh is built with ``DeviceMesh.from_group`` over the

@@ -345,7 +345,7 @@ def fully_shard(
         if id(p) in specs:
             specs[id(p)] = tp_spec_of(p, meshes[i].mesh, fqns[i], type(modules[0]).__name__)
     dims = shard_dims(param_meshes.answers(params, placements) if shard_placement_fn is not None else None, fqns,
-                      params, where, topology.shard_dim is not None, [specs.get(id(p)) for p in params])
+                      params, where, topology.shard_dim is not None)
     if is_int:
         refuse_partial_reshard(k, meshes, where)
     if partial_k is not None:
@@ -384,7 +384,7 @@ def fully_shard(
         offload=main is not None, hsdp=topology.replicate_dim is not None,
         partial_reshard=post_forward_comm is not None,
         shard_dims=shard_dims(shard_placement_fn, [i[0].fqn for i in sub_infos], sub_params, where,
-                              topology.shard_dim is not None, [False] * len(sub_params)) if sub_params else None,
+                              topology.shard_dim is not None) if sub_params else None,
     )
     state.reshard_after_forward_given = given
     state.modules = modules

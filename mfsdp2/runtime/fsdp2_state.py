@@ -58,6 +58,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
+import torch
 import torch.nn as nn
 from torch.autograd.graph import _MultiHandle
 
@@ -150,7 +151,8 @@ class ParamView:
 
     @property
     def _orig_size(self):
-        return self.sharded_param.shape
+        """The size ``fully_shard`` sharded: a tensor-parallel parameter's TP-local size, as FSDP2's."""
+        return torch.Size(self._group.layout.slots[self._index].shape)
 
     @property
     def sharded_size(self):
@@ -158,6 +160,10 @@ class ParamView:
 
     @property
     def fsdp_placement(self):
+        """The data-parallel placement: on the shard dimension of the group's mesh, or the last of a
+        tensor-parallel parameter's ``(tp, dp)`` placements (its first is the TP placement)."""
+        if self._group.tp_specs[self._index] is not None:
+            return self.sharded_param.placements[-1]
         return self.sharded_param.placements[self._group.config.shard_dim or 0]
 
     @property
