@@ -36,6 +36,7 @@ from .frontend import module as _module
 _module.fully_shard = fully_shard  # ``mfsdp2.frontend.module.fully_shard`` (where it used to live) keeps working
 from .dtensors.placement import RowShard
 from .memory.trace_pool import TracePoolAllocator
+from .memory.fsdp_mem_tracker import FSDPMemTracker
 from . import optim as optim  # mfsdp2.optim.AdamW
 
 MAY_IMPORT: tuple[str, ...] = ("base", "comm", "dtensors", "memory", "precision", "groups", "runtime", "checkpoint",
@@ -96,4 +97,5 @@ __all__ = [
     "clip_grad_norm_",
     "estimate_memory",
     "MemoryEstimate",
+    "FSDPMemTracker",
 ]

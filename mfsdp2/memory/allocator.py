@@ -57,11 +57,12 @@ import enum
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Hashable, Optional
+from typing import Hashable, Optional, Protocol
 
 import torch
 
 __all__ = [
+    "AllocationObserver",
     "AllocatorStats",
     "BucketAllocator",
     "DynamicAllocator",
@@ -138,6 +139,19 @@ def role_of(key: Hashable) -> str:
     return key[0] if isinstance(key, tuple) and key else key
 
 
+class AllocationObserver(Protocol):
+    """What a memory tool registered in :attr:`BucketAllocator.observers` is told.
+
+    ``allocating(key)`` comes before the allocator obtains ``key``'s block: the tensors created
+    until ``allocated(key, block)`` (``block`` None when obtaining failed) hold that buffer's bytes
+    -- a fresh block, or a trace pool's memory. ``allocated`` also comes for a block served from
+    the allocator's cache or pool, where no tensor is created."""
+
+    def allocating(self, key: Hashable) -> None: ...
+
+    def allocated(self, key: Hashable, block: Optional[torch.Tensor]) -> None: ...
+
+
 class BucketAllocator:
     """Base class: bookkeeping of live buffers and statistics; subclasses decide where bytes come from."""
 
@@ -148,6 +162,10 @@ class BucketAllocator:
         self._accounted: dict[Hashable, int] = {}
         self._leaked: list[torch.Tensor] = []  # referenced for the process's life, never reused
         self._warned: set = set()
+        # Memory tools told about every buffer served (see :meth:`allocate`): the tensors a
+        # block's bytes are made by are created inside it, so only the allocator can say which
+        # buffer they are for.
+        self.observers: list[AllocationObserver] = []
 
     def _obtain(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         raise TypeError(f"{type(self).__name__} must implement _obtain")
@@ -159,7 +177,14 @@ class BucketAllocator:
         if key in self._live:
             raise RuntimeError(f"mfsdp2 E20: allocator: buffer {key!r} is already live; "
                                "free it before allocating it again")
-        t = self._obtain(key, numel, dtype, torch.device(device))
+        for o in self.observers:
+            o.allocating(key)
+        t = None
+        try:
+            t = self._obtain(key, numel, dtype, torch.device(device))
+        finally:
+            for o in self.observers:
+                o.allocated(key, t)
         self._live[key] = t
         self.stats._add(key, t.numel() * t.element_size(), +1)
         return t
@@ -238,6 +263,11 @@ class BucketAllocator:
         """Every tensor that holds memory of this allocator (live blocks, free blocks, pools),
         for memory trackers that must count what it holds."""
         return list(self._live.values()) + list(self._leaked)
+
+    def live_buffers(self) -> list[tuple[Hashable, torch.Tensor]]:
+        """``(key, block)`` of every live buffer this allocator serves (not those it only
+        counts, :meth:`account`): what a memory tracker files by role."""
+        return list(self._live.items())
 
 
 class DynamicAllocator(BucketAllocator):

@@ -43,7 +43,9 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-__all__ = ["MemoryPeaks", "StepMemoryTracker", "gathered_storages", "mfsdp2_held_tensors"]
+from .allocator import role_of
+
+__all__ = ["MemoryPeaks", "StepMemoryTracker", "gathered_storages", "mfsdp2_held", "mfsdp2_held_tensors"]
 
 
 @dataclass
@@ -91,19 +93,35 @@ def gathered_storages(model: nn.Module) -> set:
     return {g.weights._storage._cdata for g in _groups(model) if g.weights._swap and not g.weights.persistent}
 
 
+def mfsdp2_held(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(what, tensor)`` for every tensor holding memory mfsdp2 owns outside the module's
+    parameters. ``what`` is ``"main_weight"``, ``"shard"`` (the model-dtype shard, the main
+    weights' own storage where the dtypes agree), ``"main_grad"``, ``"main_grad_full"``,
+    ``"partial"``, ``"unsynced_grad"``, ``"persistent_weights"`` (the full weights kept by
+    ZeRO-1/2 and no_shard), an allocator role (:class:`~mfsdp2.memory.allocator.BufferRole`) for
+    its live buffers, or ``"idle"`` for what else the allocator holds (cached blocks, pools). A
+    storage appears once per tensor viewing it; trackers count it once."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for g in _groups(model):
+        out += [("main_weight", g.main_weight), ("shard", g.weights.shard)]
+        for what in ("main_grad", "main_grad_full", "partial", "unsynced_grad"):
+            t = getattr(g, what)
+            if t is not None:
+                out.append((what, t))
+        if g.weights.persistent:
+            out.append(("persistent_weights", g.weights.unsharded))
+    alloc = model.allocator
+    live = alloc.live_buffers()
+    out += [(str(role_of(k)), t) for k, t in live]
+    seen = {id(t) for _, t in live}
+    out += [("idle", t) for t in alloc.held_tensors() if id(t) not in seen]
+    return out
+
+
 def mfsdp2_held_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Tensors holding memory mfsdp2 owns outside the module's parameters: main weights, model
-    weight shards, main gradients, and everything its allocator holds."""
-    out: list[torch.Tensor] = []
-    for g in _groups(model):
-        out += [g.main_weight, g.weights.shard]
-        for t in (g.main_grad, g.main_grad_full, g.partial, g.unsynced_grad):
-            if t is not None:
-                out.append(t)
-        if g.weights.persistent:
-            out.append(g.weights.unsharded)
-    out += model.allocator.held_tensors()
-    return out
+    weight shards, main gradients, and everything its allocator holds (:func:`mfsdp2_held`)."""
+    return [t for _, t in mfsdp2_held(model)]
 
 
 def _label(k: Any) -> str:

@@ -152,6 +152,48 @@ def test_trace_pool_replays_with_zero_allocations_and_matches_caching_live_bytes
     assert tp.trace_stats.pool_bytes <= 1.05 * tp.stats.peak_bytes
 
 
+class _Observer:
+    """Records what an allocator tells its observers, and which keys' blocks were made while it
+    said a key was being obtained (what ``mfsdp2.FSDPMemTracker`` files by role)."""
+
+    def __init__(self):
+        self.events, self.obtaining = [], None
+
+    def allocating(self, key):
+        assert self.obtaining is None, (self.obtaining, key)
+        self.obtaining = key
+        self.events.append(("allocating", key))
+
+    def allocated(self, key, block):
+        assert self.obtaining == key, (self.obtaining, key)
+        self.obtaining = None
+        self.events.append(("allocated", key, None if block is None else block.data_ptr()))
+
+
+@pytest.mark.parametrize("alloc_name", ["dynamic", "caching", "trace_pool"])
+def test_observers_hear_every_allocation_around_obtaining_its_block(alloc_name):
+    from mfsdp2.memory.trace_pool import make_allocator
+
+    alloc = make_allocator(alloc_name)
+    obs = _Observer()
+    alloc.observers.append(obs)
+    c = Checked(alloc)
+    for _ in range(3):  # traced, planned, replayed from the pool
+        _step(c, 3)
+    # Every allocate, fresh or served from a pool: told before it is obtained, then the block served.
+    requests = [e for e in obs.events if e[0] == "allocated"]
+    assert len(requests) == 3 * (3 + 3 * 3) and len(obs.events) == 2 * len(requests)
+    assert all(a[0] == "allocating" and b[0] == "allocated" and a[1] == b[1]
+               for a, b in zip(obs.events[::2], obs.events[1::2]))
+    assert obs.obtaining is None
+    # A failed request is told too, with no block, and leaves the allocator usable.
+    alloc._obtain = lambda *a: (_ for _ in ()).throw(MemoryError("planted"))
+    with pytest.raises(MemoryError):
+        alloc.allocate(("weight", 9), 10, torch.float32, "cpu")
+    assert obs.events[-2:] == [("allocating", ("weight", 9)), ("allocated", ("weight", 9), None)]
+    assert not alloc.is_live(("weight", 9))
+
+
 def test_trace_pool_divergence_falls_back_then_replans_when_the_pattern_repeats():
     tp = TracePoolAllocator(debug=True)
     c = Checked(tp)
