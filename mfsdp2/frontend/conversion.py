@@ -75,7 +75,7 @@ def apply_to_unit(module: nn.Module, fn: Callable, recurse: bool, super_apply: C
     ``recurse``, on its subtree). A unit of several modules (``fully_shard([norm, output])``) is
     met once per module, so a conversion may reach part of a group; those values are staged
     (:func:`mfsdp2.runtime.param_adoption.stage`) and the group takes them in once its parameters agree."""
-    from ..runtime.hooks import reshard
+    from ..runtime.unshard import reshard
 
     state = module._mfsdp2_state
     _check_idle(state)

@@ -21,9 +21,8 @@ from ..dtensors import row_propagation  # noqa: F401  (results of ops on RowShar
 from ..dtensors import random_offsets  # noqa: F401  (random init of RowShard pieces on CUDA: their rows' offsets)
 from ..checkpoint import serialization  # noqa: F401  (torch.save of state dicts holding our DTensors)
 from ..memory.allocator import BucketAllocator
-from ..runtime.hooks import (
-    lazy_init, outside_inference_mode, post_forward, pre_forward, reset, reshard, unshard_async, wait_unshard,
-)
+from ..runtime.hooks import lazy_init, outside_inference_mode, post_forward, pre_forward, reset
+from ..runtime.unshard import reshard, unshard_async, wait_unshard
 from ..runtime.state import FSDPState
 from .torch_identity import check_overrides, torch_bases
 

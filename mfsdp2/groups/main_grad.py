@@ -152,7 +152,7 @@ class MainGradient:
         flagged parameter.
 
         Called with this rank's flags after each reduction, then with the flags of *all* ranks
-        at the end of backward (``hooks._sync_grad_presence``): a parameter used on some ranks only
+        at the end of backward (:func:`mfsdp2.runtime.grad_presence.finish`): a parameter used on some ranks only
         (an MoE expert that got no tokens here) has a nonzero reduced gradient on every rank's rows,
         so every rank must step it, while a parameter no rank used keeps ``grad = None`` (the
         optimizer skips it, as it would unsharded). Empty pieces get an empty gradient, never

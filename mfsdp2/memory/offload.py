@@ -26,7 +26,7 @@ forward and backward.
 
 * **copy-out** (:func:`copy_to_main`): the group keeps the event and waits for it before the host
   reads or writes the main gradient -- the next accumulation into it, and at the latest the end of
-  backward, where every group's copy is waited (``hooks._final_callback``), so ``.grad`` is
+  backward, where every group's copy is waited (``backward._final_callback``), so ``.grad`` is
   complete when ``backward()`` returns. Where the host must read the result at once -- adding into
   an existing gradient, post-accumulate-grad hooks (optimizer-in-backward) -- the copy stays
   blocking, as in FSDP2.

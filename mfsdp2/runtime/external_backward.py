@@ -4,7 +4,7 @@ gradient sync off.
 
 A zero-bubble weight pass (``stage_backward_weight``) computes weight gradients with
 ``autograd.grad`` and assigns them to the gathered parameters after it returns, so no hook of
-:mod:`mfsdp2.runtime.hooks` sees them; torch's stages call FSDP2's group ``post_backward()`` and
+:mod:`mfsdp2.runtime.backward` sees them; torch's stages call FSDP2's group ``post_backward()`` and
 the root's final callback for that, mfsdp2's stage calls :func:`finish_backward`. Both functions
 reuse the hooks' own post-backward and final callback, so what is reduced, drained, exposed and
 resharded is what a backward's end does.
@@ -12,7 +12,7 @@ resharded is what a backward's end does.
 
 from __future__ import annotations
 
-from .hooks import _final_callback, _in_backward, post_backward
+from .backward import _final_callback, _in_backward, post_backward
 from .state import FSDPState, RootContext
 
 __all__ = ["finish_backward", "reduce_accumulated"]

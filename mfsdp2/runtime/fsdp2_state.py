@@ -77,7 +77,7 @@ _RUNTIME: dict[str, Callable] = {}
 def bind_runtime(**actions: Callable) -> None:
     """Called with the runtime's actions: by :mod:`mfsdp2.frontend.fully_shard` (``lazy_init``,
     ``reduce_accumulated``, ``finish_backward``, ``pre_forward``, ``post_forward``) and by
-    :mod:`mfsdp2.runtime.hooks` (``pre_backward``, ``post_backward``, ``in_backward``)."""
+    :mod:`mfsdp2.runtime.backward` (``pre_backward``, ``post_backward``, ``in_backward``)."""
     _RUNTIME.update(actions)
 
 

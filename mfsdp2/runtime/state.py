@@ -91,12 +91,12 @@ class FSDPState(FSDP2StateNames):
         # gathered once for all of them and reshards after the last one's forward of the pass.
         self.modules: list[nn.Module] = [module]
         self.forward_to_run: set[int] = set()  # ids of the modules whose forward is still to come
-        self.forward_pass = None  # hooks._ForwardPass of the latest grad-enabled forward pass
+        self.forward_pass = None  # backward._ForwardPass of the latest grad-enabled forward pass
         self.open_passes = 0  # grad-enabled forward passes of this iteration whose backward is still to run
         self.unshard_in_backward = True  # False: backward needs none of the weights (set_unshard_in_backward)
         # An input-only backward ran through the unit (resharded after forward, kept gathered,
         # no sync) and no backward computed its weight gradients since: the step guard refuses
-        # the optimizer step (E52, hooks._note_input_only_backward).
+        # the optimizer step (E52, backward._note_input_only_backward).
         self.weights_missed = False
         # Reduction inputs alive at once, this unit's included (set_reduce_scatter_max_input_buffers).
         self.max_reduce_in_flight = 1

@@ -1,0 +1,123 @@
+"""Gathering a unit's parameters and giving them back: the all-gathers a unit issues (its own and
+the prefetches of others), the wait at first use, and the reshard.
+
+Why a module of its own: the forward hooks (:mod:`mfsdp2.runtime.hooks`), the backward hooks
+(:mod:`mfsdp2.runtime.backward`) and the explicit ``unshard()`` / ``reshard()`` of a unit all run
+these three steps, and each must see the same state transitions
+(``SHARDED -> UNSHARDING -> UNSHARDED -> SHARDED``, or ``PARTIAL`` for a reshard inside the rank
+block of ``reshard_after_forward=<int>``)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..base.profiling import event_log, trace_range
+from .state import FSDPState, ShardState
+from ..precision.fp8 import gather_riders
+from ..groups.subclass_gather import riders_of
+from . import param_adoption
+from ..memory.allocator import BufferRole
+
+__all__ = ["unshard_async", "wait_unshard", "reshard"]
+
+logger = logging.getLogger(__name__)
+
+
+# -- unshard / reshard ------------------------------------------------------------------------
+def unshard_async(state: FSDPState) -> None:
+    """Issue the unit's all-gathers (idempotent; re-gathers weights the optimizer has changed).
+
+    Stale covers a gather still in flight too: ``unshard(async_op=True)`` issued before
+    ``optimizer.step()`` gathered the old shards.
+    """
+    for g in state.groups:  # an optimizer stepping in backward refuses a gather of weights it stepped
+        for listener in g.grad_listeners:
+            listener.before_gather(g)
+    if state.ctx is None or state.unsettled:
+        # unshard() before the first forward (FSDP2 runs its groups' lazy init there), or a
+        # conversion of part of the unit since: the parameters must be ready to gather.
+        param_adoption.prepare(state)
+    if state.shard_state is not ShardState.SHARDED and any(g.stale for g in state.groups):
+        reshard(state)
+    if state.shard_state not in (ShardState.SHARDED, ShardState.PARTIAL):
+        return
+    partial = state.shard_state is ShardState.PARTIAL
+    with torch._C._DisableFuncTorch(), trace_range(f"mfsdp2.unshard {state.name}"):
+        event_log.record("ag_issue", state.name)
+        # Before the root context exists (an explicit unshard() ahead of the first forward) there
+        # is no allocator yet: the buffer takes plain memory; each buffer remembers where its
+        # block came from and gives it back there at reshard.
+        alloc = state.ctx.allocator if state.ctx is not None else None
+        state.pending_unshard = []
+        step = state.ctx.step if state.ctx is not None else 0
+        # An FP8 group carries the unit's compute-dtype group in its all-gather (one collective).
+        riders = {} if partial else gather_riders(state.groups)
+        # Parameters with FSDP2's all-gather extension: one all-gather with the unit's other
+        # ZeRO-3 groups riding along (mfsdp2.groups.subclass_gather).
+        sub_riders = []
+        if state.subclass is not None:
+            sub_riders = riders_of(state.groups, set(riders) | set(riders.values()), state.comm)
+            rl = [(state.groups[j], ("weight", state.name, j)) for j in sub_riders]
+            names = ", ".join(["subclass parameters"] + [g.name for g, _ in rl])
+            h = state.subclass.all_gather(alloc, ("weight", state.name, "subclass"),
+                                          f"all-gather of unit {state.name!r} ({names}, step {step})", rl)
+            state.pending_unshard.append((state.subclass, h))
+            state.pending_unshard.extend((g, h) for g, _ in rl)
+        for i, g in enumerate(state.groups):
+            if i in riders.values() or i in sub_riders:
+                continue
+            key = (BufferRole.WEIGHT, state.name, i)
+            j = riders.get(i)
+            rider = (state.groups[j], (BufferRole.WEIGHT, state.name, j)) if j is not None else (None, None)
+            # From a partial reshard only the rank block gathers (e.g. inside a node).
+            names = g.name + ("" if j is None else f" + {rider[0].name}")
+            label = f"all-gather of unit {state.name!r} ({names}, step {step})"
+            h = (g.unshard_from_group(state.post_forward_comm, alloc, key, label) if partial
+                 else g.unshard(alloc, key, label, *rider))
+            if h is not None:  # None: persistent weights, already current on every rank
+                state.pending_unshard.append((g, h))
+        state.shard_state = ShardState.UNSHARDING
+
+
+def wait_unshard(state: FSDPState) -> None:
+    if state.shard_state is not ShardState.UNSHARDING:
+        return
+    with trace_range(f"mfsdp2.wait_unshard {state.name}"):
+        for _, h in state.pending_unshard:
+            h.wait()
+        state.pending_unshard = []
+        for g in state.groups:
+            g.register(unsharded=True)
+        if state.subclass is not None:
+            state.subclass.register(unsharded=True)
+        state.shard_state = ShardState.UNSHARDED
+
+
+def reshard(state: FSDPState, to_group: bool = False) -> None:
+    """Free the gathered parameters; ``to_group`` keeps what a gather inside the unit's rank
+    block needs (``reshard_after_forward=<int>``)."""
+    if state.shard_state is ShardState.SHARDED:
+        return
+    if state.shard_state is ShardState.PARTIAL:
+        if not to_group:
+            for g in state.groups:
+                g.reshard()
+            state.shard_state = ShardState.SHARDED
+        return
+    with trace_range(f"mfsdp2.reshard {state.name}"):
+        for _, h in state.pending_unshard:  # never free memory a collective is still writing
+            h.wait()
+        state.pending_unshard = []
+        for g in state.groups:
+            g.register(unsharded=False)
+            if to_group:
+                g.reshard_to_group(state.post_forward_comm)
+            else:
+                g.reshard()
+        if state.subclass is not None:
+            state.subclass.register(unsharded=False)
+            state.subclass.reshard()
+        state.shard_state = ShardState.PARTIAL if to_group else ShardState.SHARDED
+        event_log.record("reshard_to_group" if to_group else "reshard", state.name)
