@@ -196,6 +196,7 @@ class PersistentGathers:
             fps = dict(zip(map(id, checked), fingerprints([g.main_weight for g in checked])))
             for g, off in zip(b.members, b.offsets):
                 g.begin_gather(fps.get(id(g)))  # cast main -> model shard, clear the flags, fingerprint
+                g.weights.take_shard()  # offloaded: the current stream reads what the copy-in stream wrote
                 mine[off : off + g.layout.shard_numel].copy_(g.weights.shard)
             b.handle = b.comm.all_gather(b.block, mine, b.label)
         self.issued_count += 1

@@ -41,7 +41,8 @@ class WeightChanges:
         if not self._needs_cast:
             return
         with torch.no_grad():
-            copy_from_main(self.weights.shard, self.main_weight)  # offloaded: non-blocking from pinned memory
+            # Offloaded (CUDA, pinned): on the copy-in stream; the shard's next reader waits on it.
+            self.weights.shard_copy = copy_from_main(self.weights.shard, self.main_weight)
         self.casts += 1
 
     def mark_changed(self) -> None:
