@@ -122,21 +122,26 @@ class FSDPModule(*torch_bases()):
     def mark_weights_changed(self, *, recurse: bool = True) -> None:
         """Announce a write to the weights made outside the optimizer (``p.data.copy_(ema)``,
         ``torch.nn.init.*_(p.data)``, a custom loader): the next forward re-casts and re-gathers
-        them. Optional -- such writes are also found by a content fingerprint at the root's
-        forward -- but it makes the next gather certain and skips that comparison. Call it on
-        every rank (like the write itself)."""
+        them. Optional -- such writes are also seen by a forward without this signal (a content
+        fingerprint where reading it is free, a re-gather on accelerators and under offload; see
+        ``mfsdp2.groups.weight_watch``) -- but it makes the next gather certain and skips that
+        work. Required after :meth:`set_detect_data_writes` ``(False)``. Call it on every rank
+        (like the write itself)."""
         for s in self._units(recurse):
             for g in s.groups:
                 g.mark_changed()
 
     def set_detect_data_writes(self, enabled: bool, *, recurse: bool = True) -> None:
-        """Persistent weights (ZeRO-1/2, no_shard) compare the main shard's content at each root
-        forward, so a write through ``.data`` (which bumps no version counter) is seen by the next
-        forward; that costs one small device-to-host read per forward. ``False`` drops the
-        comparison for a step with no host synchronisation at all: optimizer steps, in-place
-        writes through the parameters and ``load_state_dict`` are still seen, but a write through
-        ``.data`` must then be announced with :meth:`mark_weights_changed`. Every rank must pass
-        the same value."""
+        """Persistent weights (ZeRO-1/2, no_shard) see a write through ``.data`` (which bumps no
+        version counter) at the next forward: a forward after an optimizer step or an announced
+        write re-gathers anyway; any other forward (accumulation micro-batches, an eval pass)
+        compares the main shard's content on a CPU mesh (one host read of the agreed flags, a
+        plain read there) and re-gathers on accelerators and under offload, where that read
+        would synchronise (``mfsdp2.groups.weight_watch``). ``False`` trusts the host facts
+        instead: optimizer steps, in-place writes through the parameters (which every rank makes)
+        and ``load_state_dict`` are still seen, nothing is compared or re-gathered otherwise, and
+        a write through ``.data`` must then be announced with :meth:`mark_weights_changed`. Every
+        rank must pass the same value."""
         for s in self._units(recurse):
             for g in s.groups:
                 g.content_check = bool(enabled)

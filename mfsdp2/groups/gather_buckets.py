@@ -33,7 +33,8 @@ its unit's ``unshard`` always hands out the member's handle. The root's post-for
 plan: issued buckets are waited and copied out (units that did not run), buckets never issued are
 dropped, their groups still stale (they gather per unit when next used: nothing changed on any
 rank, so every rank does the same). After an exception, ``reset`` settles what was issued and
-marks members whose rows may be missing as changed (agreed at the next root forward).
+marks members whose rows may be missing as changed (and ``hooks.reset`` every persistent group, on
+every rank, so the ranks decide alike at the next root forward).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import torch
 from ..memory.allocator import BucketAllocator, BufferRole
 from ..comm.communicator import CommHandle
 from ..base.profiling import trace_range
-from .weight_watch import fingerprints
+from .weight_watch import WatchMode, fingerprints, watch_mode
 
 __all__ = ["PersistentGathers", "MemberGather"]
 
@@ -192,10 +193,11 @@ class PersistentGathers:
         with trace_range("mfsdp2.issue_gather_bucket"), torch.no_grad():
             b.block = self.allocator.allocate(b.key, N * T, b.dtype, b.device)
             mine = b.block[r * T : (r + 1) * T]
-            checked = [g for g in b.members if g.fingerprinted]
+            checked = [g for g in b.members if watch_mode(g) is WatchMode.CONTENT]
             fps = dict(zip(map(id, checked), fingerprints([g.main_weight for g in checked])))
             for g, off in zip(b.members, b.offsets):
                 g.begin_gather(fps.get(id(g)))  # cast main -> model shard, clear the flags, fingerprint
+                g.weights.take_shard()  # offloaded: the current stream reads what the copy-in stream wrote
                 mine[off : off + g.layout.shard_numel].copy_(g.weights.shard)
             b.handle = b.comm.all_gather(b.block, mine, b.label)
         self.issued_count += 1
@@ -240,7 +242,7 @@ class PersistentGathers:
         if b.handle.settle():
             self.collect(m)
             return True
-        m.group.changed = True  # rows may be missing: re-gather (agreed at the next root forward)
+        m.group.changed = True  # rows may be missing: re-gather (hooks.reset marks every rank's groups too)
         self._done(m)
         return False
 

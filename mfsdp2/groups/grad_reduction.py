@@ -16,6 +16,7 @@ the group's state (``layout``, ``weights``, ``comm``, ``dist_params``, ``unshard
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Hashable, Optional, Union
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..memory.allocator import BucketAllocator, BufferRole
+from ..memory.offload import hold, release_held
 from ..comm.communicator import CommHandle, comm_stats
 from .grad_buckets import Bucket, BucketMemberHandle, GradientBuckets
 from .main_grad import MainGradient
@@ -244,6 +246,7 @@ class GradientReduction(MainGradient):
         for listener in self.grad_listeners:
             listener.before_reduce(self)
         self.finish_reduce(allocator)  # one reduction per group in flight
+        release_held(self)  # CPU offload: the last output a copy-out read, before its key is reused
         layout = self.layout
         plan = self._reduce_plan()
         op, replicate_op = plan.op, plan.replicate_op
@@ -474,13 +477,19 @@ class GradientReduction(MainGradient):
             if self.all_reduce_hook is not None:  # FSDP2's place: after the reduction, before the post-divide
                 self.all_reduce_hook(out)
             divide(out, p.post_divide)
-            if not p.direct:
-                self._accumulate(allocator, out)
+            copying = self._accumulate(allocator, out) if not p.direct else None
+            release = None
             if p.bucket is not None:
                 if not p.direct:  # its slice was scratch: the bucket may go back
-                    p.buckets.release(p.bucket, self)
+                    release = functools.partial(p.buckets.release, p.bucket, self)
             else:
-                self._free_out(allocator, p)
+                release = functools.partial(self._free_out, allocator, p)
+            if release is not None and copying is not None:
+                # CPU offload on CUDA: the copy-out stream still reads ``out``; freed once the
+                # current stream waited on the copy (memory.offload.hold).
+                hold(self, copying, self.device, release)
+            elif release is not None:
+                release()
         self.local_grad_flags = [a or b for a, b in zip(self.local_grad_flags, p.has_grad)]
         self.expose_grads(p.has_grad)
         self.run_post_accumulate_grad_hooks(p.has_grad)

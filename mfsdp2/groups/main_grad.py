@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..memory.allocator import BucketAllocator, BufferRole
-from ..memory.offload import copy_to_main
+from ..memory.offload import copy_to_main, release_held
 
 __all__ = ["MainGradient"]
 
@@ -111,8 +111,11 @@ class MainGradient:
                 for hook in tuple((getattr(dp, "_post_accumulate_grad_hooks", None) or {}).values()):
                     hook(dp)
 
-    def _accumulate(self, allocator: BucketAllocator, out: torch.Tensor) -> None:
-        """main_grad += out, restarting at zero the parameters whose grad the user cleared."""
+    def _accumulate(self, allocator: BucketAllocator, out: torch.Tensor):
+        """main_grad += out, restarting at zero the parameters whose grad the user cleared.
+        Returns the event of a copy-out that still reads ``out`` on the copy-out stream (CPU
+        offload on CUDA: ``out`` must not be freed before it, :func:`~mfsdp2.memory.offload.hold`),
+        else None."""
         self._ensure_main_grad(allocator, zero=True)
         # A full-size result (no_shard; ZeRO-1's share of a bucket) goes into the full main
         # gradient, a shard-size one (ZeRO-1's reduce-scatter; the sharded strategies) into its rows.
@@ -129,7 +132,7 @@ class MainGradient:
             # post-accumulate-grad hook reads it at once (optimizer-in-backward), as in FSDP2.
             hooked = any(getattr(dp, "_post_accumulate_grad_hooks", None) for dp in self.dist_params)
             self.copy_out_event = copy_to_main(dst, out, blocking=hooked)
-            return
+            return self.copy_out_event
         # optimizer.zero_grad() (set_to_none) clears some grads: their pieces restart at 0.
         for i, dp in enumerate(self.dist_params):
             if overwrite[i]:
@@ -139,6 +142,7 @@ class MainGradient:
                 # (expose_grads then points .grad at the sum).
                 self.weights.piece_view(self.main_grad, i).copy_(dp.grad._local_tensor)
         dst.add_(self.main.fetch(out))  # offloaded: a blocking copy to the host first
+        return None
 
     def settle_copy_out(self) -> None:
         """Wait for this group's non-blocking copy of a reduction into host memory (CPU offload),
@@ -146,6 +150,7 @@ class MainGradient:
         event, self.copy_out_event = self.copy_out_event, None
         if event is not None:
             event.synchronize()
+            release_held(self, host_waited=True)  # the reduction output it read may go back
 
     def expose_grads(self, flags) -> None:
         """Give ``dp.grad`` (a view of main_grad; empty where this rank holds no rows) to every

@@ -197,8 +197,8 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         # of part of the unit, a parameter replaced before the first forward), each with the
         # original dtype it asks the group for: mfsdp2.runtime.param_adoption.
         self.pending: dict[int, torch.dtype] = {}
-        # Persistent weights: the ranks' agreed answer to "did the weights change on any rank since
-        # the last gather" (set at the root's forward, see weight_watch.agree_on_gathers).
+        # Persistent weights: the root forward's answer to "did the weights change on any rank
+        # since the last gather", the same on every rank (weight_watch.agree_on_gathers).
         self.agreed_stale = False
         # An optimizer step or an announced write since the last gather (the same on every rank).
         self.changed = True
@@ -206,9 +206,9 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         # Persistent weights planned into a cross-unit gather bucket at the root's forward
         # (mfsdp2.groups.gather_buckets): the handle that delivers this group's rows; counts as stale.
         self.pending_gather = None
-        # Persistent weights: compare the main shard's content at each root forward (sees writes
-        # through ``.data``; costs one host read per forward). Off: host signals only, agreed on
-        # the CPU (``FSDPModule.set_detect_data_writes``).
+        # Persistent weights: writes through ``.data`` are seen (a content check or a re-gather
+        # at a forward without a common fact, weight_watch.watch_mode). Off: host facts only
+        # (``FSDPModule.set_detect_data_writes``).
         self.content_check = True
 
         self.casts = 0  # main -> model casts into a persistent buffer (tests: once per optimizer step)

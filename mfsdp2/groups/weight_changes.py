@@ -5,9 +5,10 @@ records.
 Persistent weights (ZeRO-1/2, no_shard) are gathered once and reused until the main weights
 change; ZeRO-3 gathers every time but must still re-cast. Host facts answer first -- an
 optimizer step or an announced write (``changed``, the same on every rank) and a moved version
-counter -- and, for persistent groups, a fingerprint of the main shard's content catches writes
-through ``.data`` that bump no counter. The ranks agree on the answer at the root's forward
-(:func:`mfsdp2.groups.weight_watch.agree_on_gathers`), so every rank issues the same gathers.
+counter -- and, where the policy compares content, a fingerprint of the main shard catches writes
+through ``.data`` that bump no counter. The decision is made at the root's forward from facts
+every rank shares (:func:`mfsdp2.groups.weight_watch.agree_on_gathers`, whose docstring states
+the policy), so every rank issues the same gathers.
 
 ``WeightChanges`` is a mixin over the group's state set up by ``ParameterGroup.__init__``.
 """
@@ -19,7 +20,7 @@ from typing import Optional
 import torch
 
 from ..memory.offload import copy_from_main
-from .weight_watch import fingerprint
+from .weight_watch import WatchMode, fingerprint, watch_mode
 
 __all__ = ["WeightChanges"]
 
@@ -41,7 +42,8 @@ class WeightChanges:
         if not self._needs_cast:
             return
         with torch.no_grad():
-            copy_from_main(self.weights.shard, self.main_weight)  # offloaded: non-blocking from pinned memory
+            # Offloaded (CUDA, pinned): on the copy-in stream; the shard's next reader waits on it.
+            self.weights.shard_copy = copy_from_main(self.weights.shard, self.main_weight)
         self.casts += 1
 
     def mark_changed(self) -> None:
@@ -50,43 +52,28 @@ class WeightChanges:
         self.changed = True
 
     def changed_flag(self, one: torch.Tensor) -> torch.Tensor:
-        """0-dim device float: 1 when this rank sees a change since the last gather. Host facts
-        (a step, an announced write, a moved version counter) answer without touching the device;
-        otherwise the main shard's fingerprint is compared on the device (no host read here)."""
+        """0-dim float on ``one``'s device: 1 when this rank sees a change since the last gather.
+        Host facts (a step, an announced write, a moved version counter) answer without touching
+        the device; otherwise the main shard's fingerprint is compared where the main weights
+        live (no host read here)."""
         if self.host_changed() or self._gathered_fp is None:
             return one
-        return (fingerprint(self.main_weight) != self._gathered_fp).any().to(one.dtype)
+        return (fingerprint(self.main_weight) != self._gathered_fp).any().to(device=one.device, dtype=one.dtype)
 
     @property
     def fingerprinted(self) -> bool:
-        """Persistent weights whose content is compared at each root forward (a write through
+        """Persistent weights whose content may be compared at a root forward (a write through
         ``.data`` bumps no counter). Not when the module computes with the main weights' own
         memory -- ``no_shard`` with equal main and compute dtypes: a shard group of one rank, the
         main weights *are* the full buffer -- where such a write is what the module reads anyway
-        and nothing is re-cast or re-gathered: the fingerprint (a pass over all weights per
-        step) would buy nothing."""
+        and nothing is re-cast or re-gathered; not after ``set_detect_data_writes(False)``.
+        Whether it is compared or the group simply re-gathers is
+        :func:`~mfsdp2.groups.weight_watch.watch_mode`'s decision."""
         return self.persistent and self.content_check and (self.comm.world_size > 1 or self._needs_cast)
 
     def host_changed(self) -> bool:
         """A change this rank's host knows of: a step, an announced write, a moved version counter."""
         return self.changed or self.main_version() != self.gathered_version
-
-    @property
-    def compares_on_device(self) -> bool:
-        """Whether the content fingerprint is compared on the compute device (agreed over the
-        device group): :attr:`fingerprinted` groups whose main weights are compute memory.
-        Offloaded main weights (host memory) are fingerprinted on the host (:meth:`host_flag`)."""
-        return self.fingerprinted and not self.main.offloaded
-
-    def host_flag(self) -> bool:
-        """What this rank's host can tell without reading device memory: :meth:`host_changed`,
-        and, for :attr:`fingerprinted` main weights in host memory (CPU offload), whether the
-        main shard's fingerprint moved (a CPU computation)."""
-        if self.host_changed():
-            return True
-        if not (self.main.offloaded and self.fingerprinted):
-            return False
-        return self._gathered_fp is None or bool((fingerprint(self.main_weight) != self._gathered_fp).any())
 
     def begin_gather(self, fp: Optional[torch.Tensor] = None) -> None:
         """What every gather of the model weights starts with (its own or a bucket's). A gather
@@ -98,15 +85,21 @@ class WeightChanges:
         self.refresh_model_shard()
         self.gathered_version = self.main_version()
         self.changed = self.agreed_stale = False
-        if self.fingerprinted:
+        # Only the content check compares fingerprints: a group that re-gathers without a fact
+        # takes none (three passes over the main shard per gather saved) and forgets the last
+        # one, so a later switch to the check starts from "unknown" (a re-gather), never from a
+        # fingerprint of older weights.
+        self._gathered_fp = None
+        if self.persistent and watch_mode(self) is WatchMode.CONTENT:
             self._gathered_fp = fp if fp is not None else fingerprint(self.main_weight)
 
     @property
     def stale(self) -> bool:
         """True when the weights changed after the last gather.
 
-        Persistent weights: the answer agreed at the root's forward (version counters and the
-        fingerprint, MAX over ranks) or a signal every rank gets (optimizer step, announced write).
+        Persistent weights: the root forward's decision (a re-gather without a fact, the agreed
+        version counters and fingerprint, or the version counters alone: ``agree_on_gathers``) or
+        a signal every rank gets (optimizer step, announced write).
         Local version counters are not consulted between root forwards: a rank holding no rows
         would decide differently and the ranks would issue different collectives. ZeRO-3 groups
         ask this only while gathered (kept across a step, or an in-flight ``unshard``). A group

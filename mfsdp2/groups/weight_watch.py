@@ -5,31 +5,64 @@ weights and re-gather only when the weights changed; ZeRO-3 units kept gathered 
 (``set_reshard_after_backward(False)``, an in-flight ``unshard(async_op=True)``) re-gather on the
 same signal. Version counters alone miss the writes users make through ``.data`` (an EMA copied
 in for an eval pass, ``torch.nn.init.*_(p.data)``, loaders): ``p.data`` is a new tensor with its
-own counter. So a group counts as changed when any of these says so:
+own counter. What a group knows at the root's forward:
 
-* **an optimizer step** ran: one process-wide ``register_optimizer_step_post_hook`` marks every
-  live group (every rank steps, so every rank marks: no agreement needed for this signal);
-* **an announced write**: ``FSDPModule.mark_weights_changed()``, ``load_state_dict``,
-  ``mfsdp2.materialize``;
-* a **version counter** of the main weights moved (in-place ops on the parameters);
+* **common host facts** -- the same on every rank without communication: an optimizer step ran
+  (one process-wide ``register_optimizer_step_post_hook`` marks every live group; every rank
+  steps), an announced write (``FSDPModule.mark_weights_changed()``, ``load_state_dict``,
+  ``mfsdp2.materialize``; every rank calls them), a reset after an error;
+* a moved **version counter** of the main weights (in-place ops through the parameters);
 * the main shard's **content fingerprint** (:func:`fingerprint`) differs from the one taken at the
-  last gather: the catch-all for silent writes.
+  last gather: the catch-all for silent writes. Local: a rank holding no rows sees nothing.
 
-The last two are local facts -- a rank holding no rows of a parameter sees nothing -- so the
-root's forward agrees on them with the existing per-forward all-reduce (:func:`agree_on_gathers`).
+**The policy** (:func:`watch_mode`, decided per group at each root forward, from facts every rank
+shares, so every rank issues the same gathers):
+
+1. A common fact says "changed": the group re-gathers. No content check, no read, nothing to
+   agree. In the usual loop (one forward per optimizer step) that is every forward, so the steady
+   state makes no host read and no blocking collective for any strategy.
+2. No such fact (a micro-batch of gradient accumulation, an eval pass without a step): either
+   compare the content (a fingerprint on the device, an all-reduce MAX of the flags, and a host
+   read of the agreed flags) or simply re-gather (the all-gather FSDP2 pays every forward anyway;
+   no read). :attr:`WatchMode.CONTENT` where the read is free -- the compute device's memory is
+   host memory (a CPU mesh), where ``tolist`` is a plain read -- and the check saves a collective
+   of the full weights; :attr:`WatchMode.REGATHER` where reading the agreed flag synchronises the
+   device (:func:`host_read_synchronises`: CUDA and every accelerator). Under CPU offload on an
+   accelerator the check would also cost a fingerprint of all main weights on the host and a
+   blocking all-reduce over the gloo twin per forward: re-gather there too (the copy-in is the
+   cast it needed anyway). On a CPU mesh with offload both memories are host memory: the check
+   costs what it costs without offload and stays.
+3. ``set_detect_data_writes(False)`` (:attr:`WatchMode.HOST_FACTS`): trust the host facts; no
+   content check and no re-gather without a fact, so a write through ``.data`` must be announced.
+   The version counters stay facts: the in-place ops that move them go through the DTensor
+   parameters, which every rank runs (SPMD, as FSDP2 assumes), so every rank sees them move --
+   the wrapper's counter moves even on a rank whose local piece is empty. No collective agrees on
+   them any more (it was a blocking gloo all-reduce per forward): a write to the local shards of
+   some ranks only must be announced on every rank with ``mark_weights_changed()``. The same mode
+   serves ``no_shard`` groups that compute with the main weights' own memory (nothing to
+   re-gather).
+
+Writes through ``p.data`` are therefore never used stale silently: CONTENT sees them, REGATHER
+re-gathers regardless, HOST_FACTS is the documented opt-out. ``tests/groups/test_weight_writes.py``
+runs every kind of write under both defaults (:func:`set_host_read_synchronises` forces the
+accelerator's on a CPU); ``tests/runtime/test_host_sync.py`` counts host reads and collectives per
+forward under both.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import weakref
+from typing import Optional
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..comm.communicator import device_ints, host_tensor
+from ..comm.communicator import device_ints
 
-__all__ = ["agree_on_gathers", "fingerprint", "fingerprints", "watch"]
+__all__ = ["agree_on_gathers", "fingerprint", "fingerprints", "watch", "WatchMode", "watch_mode",
+           "host_read_synchronises", "set_host_read_synchronises"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,24 +166,66 @@ def watch(group) -> None:
         _hook_handle = register_optimizer_step_post_hook(_on_optimizer_step)
 
 
-def agree_on_gathers(ctx) -> None:
-    """At the root's forward (``ctx``: its RootContext): one small all-reduce (MAX) for every
-    unit at once, when some groups keep persistent weights or gather in FP8.
+class WatchMode(str, enum.Enum):
+    """How a persistent group decides, without a common fact, whether to re-gather (see the
+    module docstring)."""
 
-    * Persistent weights (``optim``, ``optim_grads``, ``no_shard``) are re-gathered only when
-      they changed (see the module docstring). Version counters and the content fingerprint
-      are local: a rank holding no rows of a group sees no write while the others do, and
-      deciding locally would make the ranks issue different collectives. The agreed flags need
-      **one host read per root forward** (``tolist``) when the content is compared: the one
-      documented exception to "no host synchronisation in steady state", for these strategies
-      only. With ``set_detect_data_writes(False)`` only host facts are agreed, over the CPU twin
-      group (no device read); a write through ``.data`` must then be announced.
+    HOST_FACTS = "host facts"  # version counters only (set_detect_data_writes(False); no_shard on main memory)
+    CONTENT = "content check"  # fingerprint, agreed flags read on the host (reads are free)
+    REGATHER = "re-gather"  # re-gather: no read, no agreement (reads synchronise; offload on an accelerator)
+
+
+_read_synchronises: Optional[bool] = None
+
+
+def host_read_synchronises(device: torch.device) -> bool:
+    """Whether the host reading data of ``device`` waits for the device: every device but the
+    CPU's own memory (and meta, which holds no data)."""
+    if _read_synchronises is not None:
+        return _read_synchronises
+    return device.type not in ("cpu", "meta")
+
+
+def set_host_read_synchronises(value: Optional[bool]) -> Optional[bool]:
+    """Force :func:`host_read_synchronises` for every device (None: per device, the default);
+    returns the previous setting. Tests run the accelerator's policy on a CPU with it. Every rank
+    must use the same setting."""
+    global _read_synchronises
+    prev, _read_synchronises = _read_synchronises, value
+    return prev
+
+
+def watch_mode(group) -> WatchMode:
+    """The :class:`WatchMode` of a persistent group (see the module docstring)."""
+    if not group.fingerprinted:
+        return WatchMode.HOST_FACTS
+    if host_read_synchronises(group.device):
+        return WatchMode.REGATHER
+    return WatchMode.CONTENT
+
+
+def agree_on_gathers(ctx) -> None:
+    """At the root's forward (``ctx``: its RootContext): decide which persistent groups re-gather
+    (see the module docstring) and agree on the FP8 scales.
+
+    * Persistent weights (``optim``, ``optim_grads``, ``no_shard``): a group with a common fact
+      (:attr:`changed`) re-gathers; otherwise its :func:`watch_mode` decides. Only
+      :attr:`WatchMode.CONTENT` groups need an agreement: one all-reduce (MAX) of their flags over
+      the device group and one host read (``tolist``) of the result, where that read is a plain
+      read of host memory.
     * FP8 groups need one scale per parameter that every rank shares: the max of the ranks'
-      amax. The scales stay on the device (no host read).
+      amax, in the same all-reduce. The scales stay on the device (no host read).
     """
-    persistent = [g for s in ctx.states for g in s.groups if g.persistent]
-    checked = [g for g in persistent if g.compares_on_device]
-    _agree_on_host_facts(ctx, [g for g in persistent if not g.compares_on_device])
+    checked = []
+    for s in ctx.states:
+        for g in s.groups:
+            if not g.persistent or g.changed:
+                continue  # a common fact (or ZeRO-3): nothing to decide
+            mode = watch_mode(g)
+            if mode is WatchMode.CONTENT:
+                checked.append(g)
+            else:
+                g.agreed_stale = mode is WatchMode.REGATHER or g.host_changed()
     fp8 = [g for s in ctx.states for g in s.groups if g.fp8 is not None]
     if not checked and not fp8:
         return
@@ -166,27 +241,14 @@ def agree_on_gathers(ctx) -> None:
     parts += amaxes
     vec = torch.cat(parts) if len(parts) > 1 else parts[0]
     label = f"gather agreement (changed flags, fp8 amax) at the forward of step {ctx.step}"
-    _all_reduce_max_per_mesh(vec, groups, [1] * len(checked) + [a.numel() for a in amaxes], label, host=False)
+    _all_reduce_max_per_mesh(vec, groups, [1] * len(checked) + [a.numel() for a in amaxes], label)
     if checked:
-        for g, f in zip(checked, vec[: len(checked)].tolist()):
+        for g, f in zip(checked, vec[: len(checked)].tolist()):  # host memory: a plain read
             g.agreed_stale = f > 0
     agree_scales(fp8, vec, len(checked))
 
 
-def _agree_on_host_facts(ctx, groups: list) -> None:
-    """Persistent groups without the content check, or whose main weights live in host memory
-    (CPU offload): agree on what the hosts know (a step, an announced write, a moved version
-    counter; offloaded: the content fingerprint too) over the CPU twin group -- no device read."""
-    if not groups:
-        return
-    flags = host_tensor([1.0 if g.host_flag() else 0.0 for g in groups], torch.float32)
-    label = f"gather agreement (changed flags, host) at the forward of step {ctx.step}"
-    _all_reduce_max_per_mesh(flags, groups, [1] * len(groups), label, host=True)
-    for g, f in zip(groups, flags.tolist()):  # a CPU tensor: no device synchronisation
-        g.agreed_stale = f > 0
-
-
-def _all_reduce_max_per_mesh(vec: torch.Tensor, groups: list, sizes: list[int], label: str, host: bool) -> None:
+def _all_reduce_max_per_mesh(vec: torch.Tensor, groups: list, sizes: list[int], label: str) -> None:
     """MAX of ``vec`` (``sizes[i]`` entries for ``groups[i]``) over each group's shard group.
 
     Usually every group of a model shares one shard group: one collective (groups of one rank,
@@ -200,8 +262,7 @@ def _all_reduce_max_per_mesh(vec: torch.Tensor, groups: list, sizes: list[int], 
         if g.comm.world_size > 1:
             by_comm.setdefault(id(g.comm.group), [g.comm, []])[1].append((start, start + n))
         start += n
-    for comm, spans in by_comm.values():
-        c = comm.host() if host else comm
+    for c, spans in by_comm.values():
         if len(by_comm) == 1 and sum(b - a for a, b in spans) == vec.numel():
             c.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, label=label).wait()
             continue

@@ -39,7 +39,7 @@ import torch
 from ..base import compat
 from ..comm.communicator import CommHandle, Communicator
 from .layout import BufferLayout
-from .offload import copy_from_main
+from .offload import copy_from_main, wait_copy
 from ..dtensors.shard_dim import from_storage
 
 __all__ = ["DataParallelBuffer"]
@@ -110,6 +110,9 @@ class DataParallelBuffer:
         # memory), at the price of one cast per gather instead of one per optimizer step.
         if self.shard.numel() != S:
             raise ValueError(f"shard must have {S} elements, got {self.shard.numel()}")
+        # CPU offload on CUDA: the event after the copy-in that refreshed a persistent ``shard``
+        # from the main weights on the copy stream; its next reader waits on it (:meth:`take_shard`).
+        self.shard_copy = None
 
     # -- geometry -----------------------------------------------------------------------------
     @property
@@ -212,12 +215,25 @@ class DataParallelBuffer:
 
     # -- collectives --------------------------------------------------------------------------
     def all_gather(self, allocator=None, key=None, label: str = "") -> CommHandle:
-        """Fill the unsharded buffer from every rank's shard (in place: no copy-out)."""
+        """Fill the unsharded buffer from every rank's shard (in place: no copy-out).
+
+        Under CPU offload on CUDA the gather's input comes from a copy on the copy-in stream
+        (this copy of the main shard, or a persistent shard's refresh): the collective's side
+        stream waits on its event, so neither the host nor the compute stream does (one rank:
+        no collective, the current stream reads the buffer next)."""
         self.materialize(allocator, key)
         mine = self.local_slice(self._writer)
         if mine.data_ptr() != self.shard.data_ptr():  # a persistent buffer's shard is ``mine``
-            copy_from_main(mine, self.shard)  # offloaded main shard: non-blocking from pinned memory
+            self.shard_copy = copy_from_main(mine, self.shard)  # offloaded: on the copy-in stream
+        stream = getattr(self.comm, "ag_stream", None) if self.comm.world_size > 1 else None
+        self.take_shard(stream)
         return self.comm.all_gather(self._writer, mine, label)
+
+    def take_shard(self, stream=None) -> None:
+        """Order the next reader of the shard -- ``stream``, else the current stream (the host
+        where the device has none) -- after the copy-in that wrote it, if one is pending."""
+        event, self.shard_copy = self.shard_copy, None
+        wait_copy(event, self.device, stream)
 
     def place_rows(self, rows: torch.Tensor) -> None:
         """Fill the unsharded buffer from ``rows`` (``(world size, shard numel)``, row ``q`` =

@@ -280,6 +280,10 @@ def reset(ctx: RootContext) -> None:
     for s in ctx.states:
         for g in s.groups:
             g.abort(ctx.allocator)
+            if g.persistent:
+                # Which rows arrived is a local fact; a common one makes every rank re-gather
+                # (weight_watch: nothing is agreed for a group marked changed).
+                g.mark_changed()
         if s.subclass is not None:
             s.subclass.abort_reduce()
             s.subclass.drop_unsharded_grads()

@@ -184,8 +184,8 @@ def _offloaded(rank, ws):
 
 def test_writes_are_seen_with_cpu_offload():
     """Offloaded main weights (host memory) are never the model buffer's slice, even for
-    no_shard at equal dtypes, and persistent strategies fingerprint them on the host and agree
-    over the host group (``ParameterGroup.host_flag``): every kind of write must still be seen."""
+    no_shard at equal dtypes; on a CPU mesh persistent strategies fingerprint them where they
+    live (``weight_watch.watch_mode``): every kind of write must still be seen."""
     _assert_all_seen(run_ranks(_offloaded, 2), "CPU offload, float64")
 
 
@@ -224,4 +224,49 @@ def test_without_the_content_check_an_unannounced_data_write_is_not_seen():
     an unannounced ``.data`` write computes with other ranks' old rows (this rank's own rows are
     the persistent buffer's slice, written in place)."""
     errs = run_ranks(_unannounced, 2)
+    assert all(e > 1e-3 for e in errs), errs
+
+
+# -- the policy of devices whose reads synchronise (CUDA), forced on the CPU ----------------------
+def _accelerator_policy(rank, ws, offload):
+    """Every case of ``_run`` with ``weight_watch.set_host_read_synchronises(True)``: persistent
+    groups re-gather at a forward without a common fact instead of comparing content."""
+    from mfsdp2.groups import weight_watch
+
+    prev = weight_watch.set_host_read_synchronises(True)
+    try:
+        out = []
+        for s in STRATEGIES:
+            for dtype, compute in ((torch.float64, None), (torch.float32, torch.bfloat16)):
+                if offload and compute is not None:
+                    continue
+                out += [(f"{s} {compute}: {case}", ok, err)
+                        for case, ok, err in _run(rank, ws, s, dtype, compute, False, offload=offload)]
+        for s in ("optim_grads", "no_shard"):  # set_detect_data_writes(False) keeps its meaning
+            out += [(f"{s} announced: {case}", ok, err)
+                    for case, ok, err in _run(rank, ws, s, torch.float64, None, False, False, offload=offload)]
+        return out
+    finally:
+        weight_watch.set_host_read_synchronises(prev)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "cpu_offload"])
+def test_writes_are_seen_under_the_accelerator_policy(offload):
+    _assert_all_seen(run_ranks(_accelerator_policy, 2, offload), f"accelerator policy, offload={offload}")
+
+
+def _unannounced_accelerator_policy(rank, ws):
+    from mfsdp2.groups import weight_watch
+
+    prev = weight_watch.set_host_read_synchronises(True)
+    try:
+        return _unannounced(rank, ws)
+    finally:
+        weight_watch.set_host_read_synchronises(prev)
+
+
+def test_without_the_content_check_the_accelerator_policy_trusts_host_facts():
+    """``set_detect_data_writes(False)`` means the same under the accelerator's policy: no
+    re-gather without a fact, so an unannounced ``.data`` write is not seen."""
+    errs = run_ranks(_unannounced_accelerator_policy, 2)
     assert all(e > 1e-3 for e in errs), errs

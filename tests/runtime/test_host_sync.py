@@ -1,5 +1,6 @@
-"""A steady-state training step makes no host synchronisation in the runtime, except the one
-documented read per root forward of models with persistent weights (ZeRO-1/2/no_shard).
+"""A steady-state training step makes no host synchronisation in the runtime; a forward without
+a fact every rank shares (a micro-batch of gradient accumulation, an eval pass with no step since
+the last gather) makes one host read for persistent weights on a CPU mesh only.
 
 What counts (CPU runs, where there is no device to wait for, so the rule is structural): a call
 of ``Tensor.item / tolist / cpu / numpy / __bool__ / __float__ / __int__ / __index__`` made
@@ -11,12 +12,17 @@ calls made inside torch (the optimizer's step counter, DTensor's metadata) are n
 and are not counted. The CUDA variant below checks the real thing with
 ``torch.cuda.set_sync_debug_mode``.
 
-Expected per steady-state step (forward, backward, optimizer step): 0 for ZeRO-3, FP8 all-gather
-and HSDP (no gradient-presence collective by default, see tests/runtime/test_grad_presence.py);
-exactly 1 (the agreed changed-weights flags, ``weight_watch.agree_on_gathers``) for ZeRO-1/2 and for
-no_shard with a compute dtype other than the main weights', 0 for no_shard computing with the main
-weights themselves (nothing to re-gather), and 0 for all of them after
-``set_detect_data_writes(False)`` (host facts agreed on the CPU).
+Expected per steady-state step (forward, backward, optimizer step): 0 for every strategy. The
+forward after an optimizer step re-gathers persistent weights (ZeRO-1/2, no_shard) on that
+common fact, with nothing to compare or agree (``weight_watch.agree_on_gathers``).
+
+Expected per forward without such a fact (``test_forwards_without_a_step``): on a CPU mesh,
+ZeRO-1/2 and no_shard with a compute dtype other than the main weights' compare the content: one
+all-reduce of the flags and one read (a plain read of host memory there); under the policy of
+devices whose reads synchronise (``weight_watch.set_host_read_synchronises(True)``: CUDA, forced
+on the CPU here) and under offload on such devices, no read and no blocking collective: the
+persistent groups re-gather (their all-gathers are counted). ``set_detect_data_writes(False)``:
+neither, under both.
 """
 
 from __future__ import annotations
@@ -73,13 +79,14 @@ CONFIGS = {
     "fp8": ((4,), "optim_grads_params",
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather_dtype=torch.float8_e4m3fn), 0),
     "hsdp": ((2, 2), "optim_grads_params", MixedPrecisionPolicy(), 0),
-    "zero2": ((4,), "optim_grads", MixedPrecisionPolicy(), 1),
-    "zero1": ((4,), "optim", MixedPrecisionPolicy(param_dtype=torch.bfloat16), 1),
+    # Persistent weights: the forward after a step re-gathers on that common fact, no read.
+    "zero2": ((4,), "optim_grads", MixedPrecisionPolicy(), 0),
+    "zero1": ((4,), "optim", MixedPrecisionPolicy(param_dtype=torch.bfloat16), 0),
     # no_shard computes with the main weights' own memory (equal dtypes, a shard group of one
-    # rank): nothing to fingerprint or re-gather, no read; with a bf16 compute copy it has one.
+    # rank): nothing to fingerprint or re-gather.
     "no_shard": ((4,), "no_shard", MixedPrecisionPolicy(), 0),
-    "no_shard_bf16": ((4,), "no_shard", MixedPrecisionPolicy(param_dtype=torch.bfloat16), 1),
-    # set_detect_data_writes(False): host facts only, agreed over the CPU twin group.
+    "no_shard_bf16": ((4,), "no_shard", MixedPrecisionPolicy(param_dtype=torch.bfloat16), 0),
+    # set_detect_data_writes(False): host facts only.
     "zero2_no_content_check": ((4,), "optim_grads", MixedPrecisionPolicy(), 0),
     "no_shard_no_content_check": ((4,), "no_shard", MixedPrecisionPolicy(), 0),
 }
@@ -178,9 +185,120 @@ def test_sync_warning_filter():
 
 @pytest.mark.cuda
 def test_cuda_steady_state_step_synchronises_only_where_documented():
-    """One GPU, world size 1: a step of ZeRO-3 / FP8 makes no synchronising CUDA call at all;
-    persistent strategies make exactly the documented one (the agreed flags' read)."""
+    """One GPU, world size 1: a steady-state step makes no synchronising CUDA call at all, for
+    every strategy."""
     (result,) = run_ranks(_cuda_sync_warnings, 1)
     for name, syncs in result.items():
         expected = CONFIGS[name][3]
         assert len(syncs) == expected, f"{name}: {len(syncs)} synchronising calls, expected {expected}: {syncs}"
+
+
+# -- forwards without a common fact ------------------------------------------------------------
+# name: (strategy, mixed precision, offload, detect data writes,
+#        host reads per forward on a CPU mesh, whether persistent groups re-gather there)
+NO_FACT = {
+    "zero2": ("optim_grads", MixedPrecisionPolicy(), False, True, 1, False),
+    "zero1_bf16": ("optim", MixedPrecisionPolicy(param_dtype=torch.bfloat16), False, True, 1, False),
+    "no_shard_bf16": ("no_shard", MixedPrecisionPolicy(param_dtype=torch.bfloat16), False, True, 1, False),
+    "zero2_offload": ("optim_grads", MixedPrecisionPolicy(), True, True, 1, False),
+    "zero2_no_content_check": ("optim_grads", MixedPrecisionPolicy(), False, False, 0, False),
+}
+
+
+class Collectives:
+    """Counts the all-reduces and all-gathers mfsdp2's communicators issue while installed."""
+
+    def __init__(self):
+        from mfsdp2.comm.communicator import Communicator
+
+        self._cls = Communicator
+        self.all_reduce = self.all_gather = 0
+
+    def __enter__(self):
+        cls = self._cls
+        self._saved = (cls.all_reduce, cls.all_gather)
+        orig_ar, orig_ag = self._saved
+
+        def all_reduce(comm, *args, **kwargs):
+            self.all_reduce += 1
+            return orig_ar(comm, *args, **kwargs)
+
+        def all_gather(comm, *args, **kwargs):
+            self.all_gather += comm.world_size > 1
+            return orig_ag(comm, *args, **kwargs)
+
+        cls.all_reduce, cls.all_gather = all_reduce, all_gather
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.all_reduce, self._cls.all_gather = self._saved
+
+
+def _no_fact_forwards(rank, ws, synchronising):
+    """Per configuration: host reads, all-reduces and all-gathers of the forwards of two
+    accumulation micro-batches after the first (no step in between) and of an eval pass, and
+    the same for the first micro-batch after a step (a common fact)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from mfsdp2.groups import weight_watch
+
+    prev = weight_watch.set_host_read_synchronises(synchronising)
+    out = {}
+    try:
+        for name, (strategy, mp, offload, detect, _, _) in NO_FACT.items():
+            mesh = init_device_mesh("cpu", (ws,))
+            kw = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
+            model = build("net")
+            for b in model.blocks:
+                fully_shard(b, mesh=mesh, mp_policy=mp, sharding_strategy=strategy, **kw)
+            fully_shard(model, mesh=mesh, mp_policy=mp, sharding_strategy=strategy, **kw)
+            model.set_detect_data_writes(detect)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            x, y = batch(0, 8, 12)
+            x, y = x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]
+            counts = {}
+            for step in range(WARMUP):
+                for j in range(3):
+                    model.set_requires_gradient_sync(j == 2)
+                    phase = "after_step" if j == 0 else "micro_batch"
+                    with HostReads() as reads, Collectives() as coll:
+                        y_hat = model(x)
+                    if step == WARMUP - 1:
+                        counts[phase] = counts.get(phase, []) + [(len(reads.calls), coll.all_reduce, coll.all_gather)]
+                    loss_fn(y_hat.float(), y).backward()
+                opt.step()
+                opt.zero_grad()
+            model(x).sum().backward()  # one step more, then two eval passes without a step
+            opt.step()
+            opt.zero_grad()
+            for i in range(2):
+                with torch.no_grad(), HostReads() as reads, Collectives() as coll:
+                    model(x)
+                counts.setdefault("eval", []).append((len(reads.calls), coll.all_reduce, coll.all_gather))
+            out[name] = counts
+    finally:
+        weight_watch.set_host_read_synchronises(prev)
+    return out
+
+
+@pytest.mark.parametrize("synchronising", [False, True], ids=["cpu_policy", "accelerator_policy"])
+def test_forwards_without_a_step(synchronising):
+    for rank, per_config in enumerate(run_ranks(_no_fact_forwards, 2, synchronising)):
+        for name, counts in per_config.items():
+            reads_cpu = NO_FACT[name][4]
+            detect = NO_FACT[name][3]
+            where = f"rank {rank}, {name}: {counts}"
+            # The forward after a step: a common fact, no read, no collective but the gathers.
+            ((r, ar, ag),) = counts["after_step"]
+            assert r == 0 and ar == 0, where
+            gathers_after_step = ag
+            # micro-batches, and the eval pass after the first (the first follows a step)
+            for r, ar, ag in counts["micro_batch"] + counts["eval"][1:]:
+                if not detect:  # host facts only: nothing read, agreed or gathered
+                    assert (r, ar, ag) == (0, 0, 0), where
+                elif synchronising:  # re-gather: no read, no blocking collective
+                    assert r == 0 and ar == 0 and ag == gathers_after_step, where
+                else:  # content check: one all-reduce of the flags (none within one rank), one read
+                    assert r == reads_cpu and ar == (NO_FACT[name][0] != "no_shard") and ag == 0, where
+            r, ar, _ = counts["eval"][0]
+            assert r == 0 and ar == 0, where
