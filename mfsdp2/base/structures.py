@@ -28,6 +28,10 @@ def tensors_in(obj: Any) -> list:
         x = stack.pop()
         if isinstance(x, torch.Tensor):
             out.append(x)
+        elif type(x) is tuple or type(x) is list or type(x) is dict:  # common: no dataclass check
+            if id(x) not in seen:
+                seen.add(id(x))
+                stack.extend(x.values() if type(x) is dict else x)
         elif id(x) in seen:
             continue
         elif dataclasses.is_dataclass(x) and not isinstance(x, type):
@@ -47,6 +51,11 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     tensor are returned as they are (no copy)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if type(obj) is tuple or type(obj) is list:  # the common case: no dataclass check needed
+        vals = [map_tensors(fn, v) for v in obj]
+        if all(nv is v for nv, v in zip(vals, obj)):
+            return obj
+        return type(obj)(vals)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         changed = {}
         for f in dataclasses.fields(obj):
