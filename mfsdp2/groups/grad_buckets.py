@@ -60,7 +60,7 @@ class Bucket:
     """One block of the allocator holding several groups' flat gradients, all-reduced at once."""
 
     __slots__ = ("lane", "index", "alloc_key", "block", "comm", "op", "members", "offsets", "used",
-                 "capacity", "handle", "holders", "completed", "planned_size", "label")
+                 "capacity", "handle", "holders", "completed", "planned_size", "last_label")
 
     def __init__(self, lane: "_Lane", index: Optional[int], comm, op, capacity: int):
         self.lane = lane
@@ -77,7 +77,14 @@ class Bucket:
         self.handle: Optional[CommHandle] = None  # None until issued
         self.holders: set = set()  # groups whose reduction is pending in it or whose main grad is its slice
         self.completed = False
-        self.label = ""
+        self.last_label = ""  # the label of the member packed last
+
+    @property
+    def label(self) -> str:
+        """The collective's name in errors and traces; built when read (issue, a failed wait), not
+        at each member's packing."""
+        index = self.index if self.index is not None else "-"
+        return f"all-reduce of gradient bucket {index} ({len(self.members)} group(s), last {self.last_label})"
 
     @property
     def issued(self) -> bool:
@@ -173,8 +180,7 @@ class GradientBuckets:
         bucket.offsets.append(offset)
         bucket.used = offset + numel
         bucket.holders.add(group)
-        bucket.label = (f"all-reduce of gradient bucket {bucket.index if bucket.index is not None else '-'} "
-                        f"({len(bucket.members)} group(s), last {label})")
+        bucket.last_label = label
         return bucket, bucket.block[offset : offset + numel]
 
     def _planned_slot(self, lane: _Lane, group: Group, numel: int, comm, op, dtype, device) -> Optional[Bucket]:
@@ -315,12 +321,14 @@ def _plan(record: list, cap_numel: int) -> list[list]:
     (a group larger than that is a bucket of its own); a group never appears twice in one bucket."""
     plan: list[list] = []
     cur: list = []
+    in_cur: set = set()  # ids of cur's groups: one look-up per group, not a scan of the bucket
     size = 0
     for group, numel in record:
-        if cur and (size + numel > cap_numel or any(g is group for g, _ in cur)):
+        if cur and (size + numel > cap_numel or id(group) in in_cur):
             plan.append(cur)
-            cur, size = [], 0
+            cur, size, in_cur = [], 0, set()
         cur.append((group, numel))
+        in_cur.add(id(group))
         size += numel
     if cur:
         plan.append(cur)

@@ -20,18 +20,44 @@ from ..groups.subclass_gather import riders_of
 from . import param_adoption
 from ..memory.allocator import BufferRole
 
-__all__ = ["unshard_async", "wait_unshard", "reshard"]
+__all__ = ["unshard_async", "wait_unshard", "reshard", "nothing_to_gather"]
 
 logger = logging.getLogger(__name__)
 
 
 # -- unshard / reshard ------------------------------------------------------------------------
+def nothing_to_gather(state: FSDPState) -> bool:
+    """Whether every group of the unit keeps persistent weights that are current on every rank
+    (``no_shard``, ZeRO-1/2 between optimizer steps, or after the root's forward re-gathered
+    them), so an unshard has nothing to issue, wait for or prepare: it only registers the full
+    parameters.
+
+    Why a test of its own: on a model of many small units the general gather path (listeners,
+    labels, FP8 and subclass riders, a profiler range and an event per unit, four times per step)
+    cost more host time than the module's compute. ``stale`` is the root forward's agreed
+    decision (:func:`mfsdp2.groups.weight_watch.agree_on_gathers`) or a common fact, so every rank
+    takes this path for the same units. A unit with an optimizer stepping in backward (gather
+    listeners), FP8 or subclass parameters, a partial reshard or values to adopt takes the general
+    path."""
+    if state.ctx is None or state.unsettled or state.subclass is not None:
+        return False
+    for g in state.groups:
+        if not g.persistent or g.stale or g.grad_listeners or g.fp8 is not None:
+            return False
+    return True
+
+
 def unshard_async(state: FSDPState) -> None:
     """Issue the unit's all-gathers (idempotent; re-gathers weights the optimizer has changed).
 
     Stale covers a gather still in flight too: ``unshard(async_op=True)`` issued before
     ``optimizer.step()`` gathered the old shards.
     """
+    if state.shard_state is not ShardState.PARTIAL and nothing_to_gather(state):
+        if state.shard_state is ShardState.SHARDED:  # nothing in flight: the wait only registers
+            state.pending_unshard = []
+            state.shard_state = ShardState.UNSHARDING
+        return
     for g in state.groups:  # an optimizer stepping in backward refuses a gather of weights it stepped
         for listener in g.grad_listeners:
             listener.before_gather(g)
