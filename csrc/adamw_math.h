@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "simd.h"
 
@@ -26,6 +27,13 @@ namespace adamw {
 
 constexpr long long kVmlMode = 0x2 | 0x140000 | 0x100;  // VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, as torch
 constexpr int64_t kBlock = 2048;  // elements per pass of moments / sqrt / update: they stay in L1 / L2
+
+// How the kernel takes torch's square root (``adamw_step``'s ``sqrt_mode``).
+enum SqrtMode : int64_t {
+  kIeeeSqrt = 0,     // an IEEE root everywhere (torch builds without MKL)
+  kMklSqrt = 1,      // MKL's VML root of every element
+  kMklNormalSqrt = 2,  // MKL's root of all but +0 and positive subnormals, whose roots are IEEE's
+};
 
 inline void vml_sqrt(float* x, int64_t n) { vmsSqrt(static_cast<int>(n), x, x, kVmlMode); }
 inline void vml_sqrt(double* x, int64_t n) { vmdSqrt(static_cast<int>(n), x, x, kVmlMode); }
@@ -53,6 +61,17 @@ __attribute__((always_inline)) inline T from_bits(typename Bits<T>::type u) {
   T x;
   std::memcpy(&x, &u, sizeof x);
   return x;
+}
+
+// +0 or a positive subnormal: MKL's VML takes these roots on a slow path (about 20x an ordinary
+// element's cost for float32, 50x for float64) and its HA roots of them are IEEE's (checked by the
+// probe, mfsdp2/optim/kernel.py), so kMklNormalSqrt takes them with an IEEE root instead. AdamW's
+// exp_avg_sq meets them often: it underflows where gradients are small (vanishing gradients, rows
+// without gradient decaying by beta2 each step). Negative inputs, infinities and NaNs stay MKL's.
+template <typename T>
+__attribute__((always_inline)) inline bool tiny(T x) {
+  using U = typename Bits<T>::type;
+  return to_bits(x) < (U(1) << (std::numeric_limits<T>::digits - 1));  // below the smallest normal's bits
 }
 
 // One segment's coefficients, in the tensors' dtype (torch casts each Python scalar so).

@@ -7,7 +7,8 @@ per parameter. The native kernel is used only where it computes torch's bits: at
 steps a probe problem (both ``lerp`` forms, amsgrad, maximize, float32 and float64, lengths with
 vector tails) with each variant of its arithmetic -- one or two roundings for torch's ``lerp``
 and ``addcmul`` (torch's AVX2 / AVX-512 kernels fuse them), MKL's or an IEEE square root
-(torch's CPU ``sqrt`` is MKL's VML where torch has MKL) -- and keeps the variant that matches
+(torch's CPU ``sqrt`` is MKL's VML where torch has MKL; preferably MKL's for normal inputs only,
+IEEE's for +0 and subnormals, which VML takes on a slow path) -- and keeps the variant that matches
 ``torch.optim.AdamW(foreach=False)`` bit for bit; none matching, it is not used (logged once).
 
 Everything else -- no extension, ``MFSDP2_NATIVE=0``, ``native.reference_only()``, other
@@ -32,7 +33,7 @@ __all__ = ["NativeStep", "native_arithmetic", "torch_step"]
 
 logger = logging.getLogger(__name__)
 
-_ARITH: Optional[tuple] = None  # (fma_lerp, fma_addcmul, mkl_sqrt) matching torch, () if none does
+_ARITH: Optional[tuple] = None  # (fma_lerp, fma_addcmul, sqrt_mode) matching torch, () if none does
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -51,7 +52,7 @@ def native_arithmetic() -> Optional[tuple]:
     if _ARITH is None:
         _ARITH = _probe(mod)
         if _ARITH:
-            logger.debug("mfsdp2.optim: native AdamW with fma_lerp=%s fma_addcmul=%s mkl_sqrt=%s", *_ARITH)
+            logger.debug("mfsdp2.optim: native AdamW with fma_lerp=%s fma_addcmul=%s sqrt_mode=%s", *_ARITH)
         else:
             logger.warning("mfsdp2.optim: no variant of the native AdamW kernel reproduces torch's AdamW bits "
                            "on this machine; using torch's arithmetic on the flat shards instead")
@@ -75,14 +76,25 @@ def _probe(mod) -> tuple:
     dtype on this thread first settles the initialisation."""
     for dtype in (torch.float32, torch.float64):
         torch.ones(1, dtype=dtype).sqrt()
-    variants = [(fl, fa, ms) for ms in ((True, False) if mod.has_vml_sqrt() else (False,))
+    # sqrt modes, fastest first: 2 (MKL's roots, IEEE's of +0 and subnormals), 1 (MKL's), 0 (IEEE's)
+    variants = [(fl, fa, ms) for ms in ((2, 1, 0) if mod.has_vml_sqrt() else (0,))
                 for fl in (True, False) for fa in (True, False)]
-    sizes = (4096 + 13, 37, 1, 16)
+    sizes = (4096 + 13, 37, 1, 16, 2048 + 5)
     for dtype in (torch.float32, torch.float64):
+        # The last piece's gradients are so small that exp_avg_sq's inputs to the root are +0,
+        # subnormals and the smallest normals (sqrt mode 2's two sides), some gradients exactly 0.
+        tiny = (-22, -16) if dtype == torch.float32 else (-170, -150)
         for cfg in _PROBE_CONFIGS:
             gen = torch.Generator().manual_seed(1234)
             start = [torch.randn(n, generator=gen, dtype=dtype) for n in sizes]
-            grads = [[torch.randn(n, generator=gen, dtype=dtype) * 10.0 ** (s - 3) for n in sizes] for s in range(3)]
+            grads = [[torch.randn(n, generator=gen, dtype=dtype) * 10.0 ** (s - 3) for n in sizes[:-1]]
+                     for s in range(3)]
+            for gs in grads:
+                n = sizes[-1]
+                exp = torch.randint(tiny[0], tiny[1], (n,), generator=gen).to(dtype)
+                g = torch.randn(n, generator=gen, dtype=dtype) * torch.pow(torch.tensor(10.0, dtype=dtype), exp)
+                g[::7] = 0.0
+                gs.append(g)
             ref = [torch.nn.Parameter(t.clone()) for t in start]
             opt = torch.optim.AdamW(ref, foreach=False, **cfg)
             for gs in grads:
