@@ -74,25 +74,25 @@ MFSDP2_CLONES bool moments(const T* __restrict g, T* __restrict m, T* __restrict
 }
 
 // p's update from the stored m and the block's roots.
-template <typename T>
+template <typename T, bool kRecip>
 MFSDP2_CLONES void update(T* __restrict p, const T* __restrict m, const T* __restrict root, int64_t n, const Coef<T> c) {
-  for (int64_t i = 0; i < n; ++i) p[i] = adamw::updated(p[i], m[i], root[i], c);
+  for (int64_t i = 0; i < n; ++i) p[i] = adamw::updated<T, kRecip>(p[i], m[i], root[i], c);
 }
 
 // The same where the block held tiny inputs: ``s`` is what the roots were taken of (the stored v
 // or vmax); a tiny one gets its IEEE root, every other element MKL's from ``root``.
-template <typename T>
+template <typename T, bool kRecip>
 MFSDP2_CLONES void update_bypass(T* __restrict p, const T* __restrict m, const T* __restrict root,
                                  const T* __restrict s, int64_t n, const Coef<T> c) {
   for (int64_t i = 0; i < n; ++i) {
     const T si = s[i];
     const T r = adamw::tiny(si) ? std::sqrt(si) : root[i];
-    p[i] = adamw::updated(p[i], m[i], r, c);
+    p[i] = adamw::updated<T, kRecip>(p[i], m[i], r, c);
   }
 }
 
 // All of it in one loop, with an IEEE square root (torch builds without MKL).
-template <typename T, bool kFmaLerp, bool kFmaAddcmul, bool kAmsgrad>
+template <typename T, bool kFmaLerp, bool kFmaAddcmul, bool kAmsgrad, bool kRecip>
 MFSDP2_CLONES void whole(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict v, T* __restrict vmax,
                          int64_t n, const Coef<T> c) {
   for (int64_t i = 0; i < n; ++i) {
@@ -104,16 +104,16 @@ MFSDP2_CLONES void whole(T* __restrict p, const T* __restrict g, T* __restrict m
       s = adamw::maximum_of(vmax[i], vn);
       vmax[i] = s;
     }
-    p[i] = adamw::updated(p[i], mn, std::sqrt(s), c);
+    p[i] = adamw::updated<T, kRecip>(p[i], mn, std::sqrt(s), c);
     m[i] = mn;
     v[i] = vn;
   }
 }
 
-template <typename T, bool kFmaLerp, bool kFmaAddcmul, bool kAmsgrad>
+template <typename T, bool kFmaLerp, bool kFmaAddcmul, bool kAmsgrad, bool kRecip>
 void step_range(T* p, const T* g, T* m, T* v, T* vmax, int64_t n, const Coef<T>& c, int64_t sqrt_mode) {
   if (sqrt_mode == adamw::kIeeeSqrt) {
-    whole<T, kFmaLerp, kFmaAddcmul, kAmsgrad>(p, g, m, v, vmax, n, c);
+    whole<T, kFmaLerp, kFmaAddcmul, kAmsgrad, kRecip>(p, g, m, v, vmax, n, c);
     return;
   }
   alignas(64) T root[kBlock];
@@ -123,24 +123,28 @@ void step_range(T* p, const T* g, T* m, T* v, T* vmax, int64_t n, const Coef<T>&
     if (sqrt_mode == adamw::kMklSqrt) {
       moments<T, kFmaLerp, kFmaAddcmul, kAmsgrad, false>(g + b, m + b, v + b, vm, root, k, c);
       adamw::vml_sqrt(root, k);
-      update(p + b, m + b, root, k, c);
+      update<T, kRecip>(p + b, m + b, root, k, c);
       continue;
     }
     const bool tiny = moments<T, kFmaLerp, kFmaAddcmul, kAmsgrad, true>(g + b, m + b, v + b, vm, root, k, c);
     adamw::vml_sqrt(root, k);
     if (tiny)
-      update_bypass(p + b, m + b, root, kAmsgrad ? vm : v + b, k, c);
+      update_bypass<T, kRecip>(p + b, m + b, root, kAmsgrad ? vm : v + b, k, c);
     else
-      update(p + b, m + b, root, k, c);
+      update<T, kRecip>(p + b, m + b, root, k, c);
   }
 }
 
 template <typename T, bool kFmaLerp, bool kFmaAddcmul>
 void step_one(T* p, const T* g, T* m, T* v, T* vmax, int64_t n, const Coef<T>& c, int64_t sqrt_mode) {
-  if (c.amsgrad)
-    step_range<T, kFmaLerp, kFmaAddcmul, true>(p, g, m, v, vmax, n, c, sqrt_mode);
+  if (c.amsgrad && c.recip)
+    step_range<T, kFmaLerp, kFmaAddcmul, true, true>(p, g, m, v, vmax, n, c, sqrt_mode);
+  else if (c.amsgrad)
+    step_range<T, kFmaLerp, kFmaAddcmul, true, false>(p, g, m, v, vmax, n, c, sqrt_mode);
+  else if (c.recip)
+    step_range<T, kFmaLerp, kFmaAddcmul, false, true>(p, g, m, v, vmax, n, c, sqrt_mode);
   else
-    step_range<T, kFmaLerp, kFmaAddcmul, false>(p, g, m, v, vmax, n, c, sqrt_mode);
+    step_range<T, kFmaLerp, kFmaAddcmul, false, false>(p, g, m, v, vmax, n, c, sqrt_mode);
 }
 
 template <typename T>

@@ -1,14 +1,17 @@
-"""The native AdamW step where ``exp_avg_sq`` underflows: square-root inputs that are +0, positive
-subnormals and normals side by side, in float32 and float64, against torch's for-loop AdamW bit for
-bit (NaNs compared as NaN).
+"""Paths of the native AdamW step that the random tests of test_optim_kernel.py rarely take, each
+against torch's for-loop AdamW bit for bit (NaNs compared as NaN), float32 and float64.
 
-Why a file of its own: MKL's VML square root (torch's CPU ``sqrt``) takes +0 and subnormals on a
-slow path, so the kernel's square-root mode 2 hands VML a 1 in their place and takes their IEEE
-roots itself (MKL's roots of them being IEEE's: the probe checks, and these cases check again on
-this machine). Small gradients -- vanishing ones in deep stacks, rows that get none and decay --
-make such inputs common; the random tests in test_optim_kernel.py draw gradients whose squares
-stay normal. Lengths straddle the vector tails and the kernel's 2048-element blocks, and each block
-holds both kinds, so the update's two sources of roots are both taken in one block.
+Underflowing ``exp_avg_sq``: square-root inputs that are +0, positive subnormals and normals side
+by side. MKL's VML square root (torch's CPU ``sqrt``) takes +0 and subnormals on a slow path, so
+the kernel's square-root mode 2 hands VML a 1 in their place and takes their IEEE roots itself
+(MKL's roots of them being IEEE's: the probe checks, and these cases check again on this machine).
+Small gradients -- vanishing ones in deep stacks, rows that get none and decay -- make such inputs
+common; the random tests draw gradients whose squares stay normal. Lengths straddle the vector
+tails and the kernel's 2048-element blocks, and each block holds both kinds, so the update's two
+sources of roots are both taken in one block.
+
+The division by ``sqrt(1 - beta2 ** step)``: through its reciprocal and an exact FMA correction
+where that divisor lies in [2^-20, 1], a true division outside (beta2 within 1e-12 of 1).
 """
 
 from __future__ import annotations
@@ -128,3 +131,45 @@ def test_sqrt_mode_is_checked():
     with pytest.raises(RuntimeError, match="sqrt_mode must be 0, 1 or 2"):
         kernel._module().adamw_step([x], [x.clone()], [x.clone()], [x.clone()], [torch.empty(0)], [torch.zeros(1)],
                                     torch.tensor([[0, 0, 4, 0, 0]]), hyper, True, True, 3)
+
+
+@needs_native
+@pytest.mark.parametrize("beta2", [1 - 1e-13, 0.0, 0.999], ids=["true-division", "unit-divisor", "reciprocal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_bias_correction_division_paths(dtype, beta2):
+    """The root's division by sqrt(1 - beta2 ** step) gives torch's bits on both of its paths, the
+    bfloat16-moment kernel's too (against the float32 step from the same moments)."""
+    cfg = dict(lr=1e-2, betas=(0.9, beta2), eps=1e-8, weight_decay=1e-2, amsgrad=True, maximize=False)
+    gen = torch.Generator().manual_seed(5)
+    start = [torch.randn(n, generator=gen, dtype=dtype) for n in SIZES]
+    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = torch.optim.AdamW(ref, foreach=False, **cfg)
+    flat, m, v, vmax = torch.cat(start), *(torch.zeros(sum(SIZES), dtype=dtype) for _ in range(3))
+    steps = torch.zeros(len(SIZES))
+    for s in range(3):
+        grads = [torch.randn(n, generator=gen, dtype=dtype) * 10.0 ** (s - 2) for n in SIZES]
+        grads[0][0] = float("inf") if s == 1 else grads[0][0]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        opt.step()
+        _flat_step(flat, grads, m, v, vmax, steps, cfg, ARITH[2])
+    for got, key in ((m, "exp_avg"), (v, "exp_avg_sq"), (vmax, "max_exp_avg_sq")):
+        assert kernel._same_bits(got, torch.cat([opt.state[p][key] for p in ref])), key
+    assert kernel._same_bits(flat, torch.cat([p.detach() for p in ref]))
+    if dtype != torch.float32:
+        return
+    # bfloat16 moments: one step from bfloat16-exact moments equals the float32 kernel's IEEE step
+    n = sum(SIZES)
+    p0 = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen) * 1e-2
+    m0 = (torch.randn(n, generator=gen) * 1e-2).bfloat16()
+    v0 = (torch.rand(n, generator=gen) * 1e-4).bfloat16()
+    hyper = torch.tensor([[cfg["lr"], *cfg["betas"], cfg["eps"], cfg["weight_decay"], 0.0, 0.0]], dtype=torch.float64)
+    want = p0.clone()
+    kernel._module().adamw_step([want], [g], [m0.float()], [v0.float()], [torch.empty(0)], [torch.full((1,), 4.0)],
+                                torch.tensor([[0, 0, n, 0, 0]]), hyper, ARITH[0], ARITH[1], 0)
+    got = p0.clone()
+    kernel._module().adamw_step_bf16([got], [g], [m0.clone()], [v0.clone()], [torch.empty(0, dtype=torch.bfloat16)],
+                                     [torch.full((1,), 4.0)], torch.tensor([[0, 0, n, 0, 0, 0, 0]]), hyper, 3,
+                                     ARITH[0], ARITH[1])
+    assert kernel._same_bits(got, want)
