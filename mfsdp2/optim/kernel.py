@@ -136,10 +136,14 @@ class NativeStep:
     call. Rows of the segment table are pieces in the flat states' coordinates; the kernel
     counts each piece's step and merges adjacent pieces with equal coefficients."""
 
-    def __init__(self, mod, arithmetic: tuple, dtype: torch.dtype, bf16_seed: Optional[int] = None):
+    def __init__(self, mod, arithmetic: tuple, dtype: torch.dtype, bf16_seed: Optional[int] = None,
+                 cache: Optional[dict] = None):
         """``bf16_seed``: the flat states' moments are bfloat16 (``adamw_step_bf16``, float32
-        weights), their stochastic rounding salted with this seed."""
+        weights), their stochastic rounding salted with this seed. ``cache``: a dict kept by the
+        caller across steps, where ``run`` keeps its segment table: a step over the same pieces
+        as the last reuses the tensor (steady state: every step)."""
         self.mod = mod
+        self.cache = cache
         self.arithmetic = arithmetic
         self.dtype = dtype
         self.bf16_seed = bf16_seed
@@ -179,21 +183,43 @@ class NativeStep:
         empty = _EMPTY.get(state_dtype)
         if empty is None:
             empty = _EMPTY[state_dtype] = torch.empty(0, dtype=state_dtype)
+        table = self._table()
         if self.bf16_seed is not None:
-            rows = [(k, *fss[k].pieces[i], row, i, pid, fss[k].first_elem[i]) for k, i, row, pid in self.rows]
             self.mod.adamw_step_bf16(
                 [fs.weight for fs in fss], [fs.grad_span() for fs in fss], [fs.exp_avg for fs in fss],
                 [fs.exp_avg_sq for fs in fss],
                 [fs.max_exp_avg_sq if fs.max_exp_avg_sq is not None else empty for fs in fss],
-                [fs.steps for fs in fss], torch.tensor(rows, dtype=torch.int64),
-                torch.tensor(self.hyper, dtype=torch.float64), self.bf16_seed, *self.arithmetic[:2])
+                [fs.steps for fs in fss], table, torch.tensor(self.hyper, dtype=torch.float64), self.bf16_seed,
+                *self.arithmetic[:2])
             return
-        rows = [(k, *fss[k].pieces[i], row, i) for k, i, row, _ in self.rows]
         self.mod.adamw_step([fs.weight for fs in fss], [fs.grad_span() for fs in fss], [fs.exp_avg for fs in fss],
                             [fs.exp_avg_sq for fs in fss],
                             [fs.max_exp_avg_sq if fs.max_exp_avg_sq is not None else empty for fs in fss],
-                            [fs.steps for fs in fss], torch.tensor(rows, dtype=torch.int64),
-                            torch.tensor(self.hyper, dtype=torch.float64), *self.arithmetic)
+                            [fs.steps for fs in fss], table, torch.tensor(self.hyper, dtype=torch.float64),
+                            *self.arithmetic)
+
+    def _table(self) -> torch.Tensor:
+        """The segment table: (flat, offset, length, hyper row, step slot), and for bfloat16
+        moments (parameter id, first element). The last one is reused when it was made from the
+        same rows over flat states with equal pieces (offsets, lengths, first elements), whose values
+        are all the table is made of; the kernel only reads it."""
+        fss = self.states
+        bf16 = self.bf16_seed is not None
+        # what the table's values are made of (no flat state itself: the cache must not keep a
+        # retired one's tensors alive)
+        key = (tuple(self.rows), tuple(fs.pieces for fs in fss), tuple(fs.first_elem for fs in fss) if bf16 else None)
+        kind = (bf16, self.dtype)
+        hit = self.cache.get(kind) if self.cache is not None else None
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        if bf16:
+            rows = [(k, *fss[k].pieces[i], row, i, pid, fss[k].first_elem[i]) for k, i, row, pid in self.rows]
+        else:
+            rows = [(k, *fss[k].pieces[i], row, i) for k, i, row, _ in self.rows]
+        table = torch.tensor(rows, dtype=torch.int64)
+        if self.cache is not None:
+            self.cache[kind] = (key, table)
+        return table
 
 
 def torch_step(group: dict, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, fused: bool) -> None:

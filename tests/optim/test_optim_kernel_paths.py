@@ -10,8 +10,12 @@ common; the random tests draw gradients whose squares stay normal. Lengths strad
 tails and the kernel's 2048-element blocks, and each block holds both kinds, so the update's two
 sources of roots are both taken in one block.
 
+The segment table NativeStep reuses across steps.
+
 The division by ``sqrt(1 - beta2 ** step)``: through its reciprocal and an exact FMA correction
 where that divisor lies in [2^-20, 1], a true division outside (beta2 within 1e-12 of 1).
+
+The segment table NativeStep reuses across steps: the same tensor only for equal pieces.
 """
 
 from __future__ import annotations
@@ -173,3 +177,33 @@ def test_bias_correction_division_paths(dtype, beta2):
                                      [torch.full((1,), 4.0)], torch.tensor([[0, 0, n, 0, 0, 0, 0]]), hyper, 3,
                                      ARITH[0], ARITH[1])
     assert kernel._same_bits(got, want)
+
+
+@needs_native
+def test_segment_table_reused_only_for_equal_pieces():
+    """NativeStep keeps its segment table across steps in the caller's cache: the same tensor for
+    the same rows over equal pieces; a re-made flat state (new offsets) gets a new table."""
+    from types import SimpleNamespace
+
+    cache: dict = {}
+    fs = SimpleNamespace(pieces={0: (0, 5), 1: (8, 3)}, first_elem={0: 0, 1: 0})
+
+    def table(bf16_seed=None):
+        b = kernel.NativeStep(kernel._module(), ARITH, torch.float32, bf16_seed=bf16_seed, cache=cache)
+        row = b.hyper_row(0, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                              "amsgrad": False, "maximize": False})
+        for i in (0, 1):
+            b.add(fs, i, row, param_id=i)
+        return b._table()
+
+    first = table()
+    assert first.tolist() == [[0, 0, 5, 0, 0], [0, 8, 3, 0, 1]]
+    assert table() is first
+    fs.pieces = {0: (2, 5), 1: (10, 3)}  # a re-made flat state: new offsets
+    moved = table()
+    assert moved is not first and moved.tolist() == [[0, 2, 5, 0, 0], [0, 10, 3, 0, 1]]
+    bf16 = table(bf16_seed=0)  # the bfloat16 table (parameter ids, first elements) is its own
+    assert bf16.tolist() == [[0, 2, 5, 0, 0, 0, 0], [0, 10, 3, 0, 1, 1, 0]]
+    fs.first_elem = {0: 0, 1: 96}
+    assert table(bf16_seed=0).tolist()[1][6] == 96
+    assert table() is moved
