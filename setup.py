@@ -24,6 +24,7 @@ if torch is not None and os.environ.get("MFSDP2_NATIVE", "1") != "0":
         CppExtension(
             f"mfsdp2._native_torch_{tag}",
             sorted(glob.glob("csrc/*.cpp")),
+            depends=sorted(glob.glob("csrc/*.h")),  # a changed header rebuilds the sources
             # No -march: the binary runs on any x86-64; csrc/simd.h picks vector widths at run
             # time. -ffp-contract=off: no fused multiply-adds, so results do not depend on them.
             # -fno-math-errno: sqrt without the errno check (which keeps loops scalar); same results.

@@ -24,14 +24,16 @@ namespace mfsdp2 {
 //
 // ``fma_lerp`` / ``fma_addcmul``: whether torch's CPU kernels for exp_avg.lerp_(grad, w) and
 // exp_avg_sq.addcmul_(grad, grad, value=c) round once (a fused multiply-add, as torch's AVX2 /
-// AVX-512 builds do) or twice. ``mkl_sqrt``: whether torch's sqrt is MKL's VML one (x86 builds
-// with MKL), else an IEEE square root. The caller finds out by running torch's ops
+// AVX-512 builds do) or twice. ``sqrt_mode`` (adamw::SqrtMode): 0, an IEEE square root (torch
+// builds without MKL); 1, MKL's VML root, torch's CPU sqrt on x86 builds with MKL; 2, MKL's root
+// except for +0 and positive subnormals, whose roots are IEEE's (the same bits where MKL's roots of
+// them are IEEE's, without VML's slow path for them). The caller finds out by running torch's ops
 // (mfsdp2/optim/kernel.py).
 void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                 const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                 const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& steps,
                 const at::Tensor& segments, const at::Tensor& hyper, bool fma_lerp, bool fma_addcmul,
-                bool mkl_sqrt);
+                int64_t sqrt_mode);
 
 // Whether the torch this module runs with exports MKL's VML square roots (vmsSqrt, vmdSqrt).
 bool has_vml_sqrt();

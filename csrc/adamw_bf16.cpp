@@ -58,7 +58,7 @@ __attribute__((always_inline)) inline uint16_t narrow(float x, uint32_t r) {
 
 // One run of elements; ``lo0``: the low 32 bits of the first element's index in its parameter
 // (the run never crosses a multiple of 2^32), ``salt``: the run's hash salt.
-template <bool kFmaLerp, bool kFmaAddcmul, bool kAmsgrad>
+template <bool kFmaLerp, bool kFmaAddcmul, bool kAmsgrad, bool kRecip>
 MFSDP2_CLONES void run_bf16(float* __restrict p, const float* __restrict g, uint16_t* __restrict m,
                             uint16_t* __restrict v, uint16_t* __restrict vmax, int64_t n, const Coef<float> c,
                             uint32_t salt, uint32_t lo0) {
@@ -74,17 +74,21 @@ MFSDP2_CLONES void run_bf16(float* __restrict p, const float* __restrict g, uint
     }
     m[i] = narrow(mn, r >> 16);
     v[i] = narrow(vn, r & 0xffffu);
-    p[i] = adamw::updated(p[i], mn, std::sqrt(s), c);
+    p[i] = adamw::updated<float, kRecip>(p[i], mn, std::sqrt(s), c);
   }
 }
 
 template <bool kFmaLerp, bool kFmaAddcmul>
 void step_item(float* p, const float* g, uint16_t* m, uint16_t* v, uint16_t* vmax, int64_t n, const Coef<float>& c,
                uint32_t salt, uint32_t lo0) {
-  if (c.amsgrad)
-    run_bf16<kFmaLerp, kFmaAddcmul, true>(p, g, m, v, vmax, n, c, salt, lo0);
+  if (c.amsgrad && c.recip)
+    run_bf16<kFmaLerp, kFmaAddcmul, true, true>(p, g, m, v, vmax, n, c, salt, lo0);
+  else if (c.amsgrad)
+    run_bf16<kFmaLerp, kFmaAddcmul, true, false>(p, g, m, v, vmax, n, c, salt, lo0);
+  else if (c.recip)
+    run_bf16<kFmaLerp, kFmaAddcmul, false, true>(p, g, m, v, vmax, n, c, salt, lo0);
   else
-    run_bf16<kFmaLerp, kFmaAddcmul, false>(p, g, m, v, vmax, n, c, salt, lo0);
+    run_bf16<kFmaLerp, kFmaAddcmul, false, false>(p, g, m, v, vmax, n, c, salt, lo0);
 }
 
 // A work item: elements [begin, end) of flat ``flat``, of segment ``seg``, whose first element is

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "simd.h"
 
@@ -26,6 +27,13 @@ namespace adamw {
 
 constexpr long long kVmlMode = 0x2 | 0x140000 | 0x100;  // VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, as torch
 constexpr int64_t kBlock = 2048;  // elements per pass of moments / sqrt / update: they stay in L1 / L2
+
+// How the kernel takes torch's square root (``adamw_step``'s ``sqrt_mode``).
+enum SqrtMode : int64_t {
+  kIeeeSqrt = 0,     // an IEEE root everywhere (torch builds without MKL)
+  kMklSqrt = 1,      // MKL's VML root of every element
+  kMklNormalSqrt = 2,  // MKL's root of all but +0 and positive subnormals, whose roots are IEEE's
+};
 
 inline void vml_sqrt(float* x, int64_t n) { vmsSqrt(static_cast<int>(n), x, x, kVmlMode); }
 inline void vml_sqrt(double* x, int64_t n) { vmdSqrt(static_cast<int>(n), x, x, kVmlMode); }
@@ -55,6 +63,17 @@ __attribute__((always_inline)) inline T from_bits(typename Bits<T>::type u) {
   return x;
 }
 
+// +0 or a positive subnormal: MKL's VML takes these roots on a slow path (about 20x an ordinary
+// element's cost for float32, 50x for float64) and its HA roots of them are IEEE's (checked by the
+// probe, mfsdp2/optim/kernel.py), so kMklNormalSqrt takes them with an IEEE root instead. AdamW's
+// exp_avg_sq meets them often: it underflows where gradients are small (vanishing gradients, rows
+// without gradient decaying by beta2 each step). Negative inputs, infinities and NaNs stay MKL's.
+template <typename T>
+__attribute__((always_inline)) inline bool tiny(T x) {
+  using U = typename Bits<T>::type;
+  return to_bits(x) < (U(1) << (std::numeric_limits<T>::digits - 1));  // below the smallest normal's bits
+}
+
 // One segment's coefficients, in the tensors' dtype (torch casts each Python scalar so).
 template <typename T>
 struct Coef {
@@ -70,9 +89,27 @@ struct Coef {
   T bc2_sqrt;       // (1 - beta2 ** step) ** 0.5
   T eps;
   T neg_step_size;  // -lr / (1 - beta1 ** step)
+  T inv_bc2_sqrt;   // RN(1 / bc2_sqrt), in T's arithmetic
+  bool recip;       // divide by bc2_sqrt through inv_bc2_sqrt (div_bc2): FMA in hardware, bc2_sqrt in range
   bool amsgrad;
   bool maximize;
 };
+
+// Whether this CPU has fused multiply-adds in hardware (without, std::fma is a slow library call).
+inline bool has_fma() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool yes = __builtin_cpu_supports("fma");
+  return yes;
+#else
+  return true;
+#endif
+}
+
+// The smallest bc2_sqrt div_bc2 takes the reciprocal's way: the residual of a root's quotient
+// (about 2^-p of a root, the smallest nonzero root being the square root of the smallest
+// subnormal) must stay a normal number for the correction to be exact.
+template <typename T>
+constexpr T kRecipMin = T(0x1p-20);
 
 struct Hyper {
   double lr, beta1, beta2, eps, weight_decay;
@@ -97,6 +134,8 @@ Coef<T> coefficients(const Hyper& h, double step) {
   c.bc2_sqrt = static_cast<T>(bc2_sqrt);
   c.eps = static_cast<T>(h.eps);
   c.neg_step_size = static_cast<T>(-step_size);
+  c.inv_bc2_sqrt = T(1) / c.bc2_sqrt;
+  c.recip = has_fma() && c.bc2_sqrt >= kRecipMin<T> && c.bc2_sqrt <= T(1);
   c.amsgrad = h.amsgrad;
   c.maximize = h.maximize;
   using U = typename Bits<T>::type;
@@ -144,10 +183,29 @@ __attribute__((always_inline)) inline T maximum_of(T a, T b) {
   return b != b ? b : mx;
 }
 
+// root / bc2_sqrt, correctly rounded. ``kRecip``: without a division (the divider is the step's
+// bottleneck beside the roots and the update's quotient), by Markstein's correction: q = RN(x z)
+// with z = RN(1 / y) is faithful, the residual r = x - q y is exact (an FMA), and RN(q + r z) is
+// RN(x / y) (Markstein's theorem; checked exhaustively here over every float32 root from 2^-75 to
+// 2^70 for divisors across [2^-20, 1], and on 4e9 random pairs). Where it does not apply: x = 0
+// (q is x's signed zero), x = inf (the residual is NaN; q is inf), x = NaN (q is NaN); ``recip``
+// is off for bc2_sqrt outside [2^-20, 1] (the residual of the smallest roots could underflow).
+template <typename T, bool kRecip>
+__attribute__((always_inline)) inline T div_bc2(T x, const Coef<T>& c) {
+  if constexpr (kRecip) {
+    const T q = x * c.inv_bc2_sqrt;
+    const T r = std::fma(-q, c.bc2_sqrt, x);
+    const T q2 = std::fma(r, c.inv_bc2_sqrt, q);
+    return (r == r && q != T(0)) ? q2 : q;
+  } else {
+    return x / c.bc2_sqrt;
+  }
+}
+
 // p = p * decay + ((-lr / bc1) m) / (root / sqrt(bc2) + eps), root = sqrt(v or vmax).
-template <typename T>
+template <typename T, bool kRecip>
 __attribute__((always_inline)) inline T updated(T p, T m, T root, const Coef<T>& c) {
-  const T den = root / c.bc2_sqrt + c.eps;
+  const T den = div_bc2<T, kRecip>(root, c) + c.eps;
   return p * c.decay + (c.neg_step_size * m) / den;
 }
 

@@ -14,7 +14,7 @@ namespace py = pybind11;
 
 // Bumped whenever a kernel's signature or meaning changes: mfsdp2/precision/native.py loads a module only
 // if it reports the API it expects (a stale build from older sources is not used).
-constexpr int kApiVersion = 5;
+constexpr int kApiVersion = 6;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mfsdp2 native kernels over flat buffers and their segment tables (CPU)";
@@ -29,7 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("adamw_step", &mfsdp2::adamw_step, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
         py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("steps"), py::arg("segments"), py::arg("hyper"),
-        py::arg("fma_lerp"), py::arg("fma_addcmul"), py::arg("mkl_sqrt"), py::call_guard<py::gil_scoped_release>());
+        py::arg("fma_lerp"), py::arg("fma_addcmul"), py::arg("sqrt_mode"), py::call_guard<py::gil_scoped_release>());
   m.def("adamw_step_bf16", &mfsdp2::adamw_step_bf16, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
         py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("steps"), py::arg("segments"), py::arg("hyper"),
         py::arg("seed"), py::arg("fma_lerp"), py::arg("fma_addcmul"),

@@ -115,6 +115,8 @@ class AdamW(torch.optim.AdamW):
         self._resolved: dict[int, tuple] = {}
         # id(param) -> what its last flat step checked and used (see step's fast path)
         self._fast: dict[int, tuple] = {}
+        # NativeStep's last segment table per kind of batch (rebuilt only when its pieces change)
+        self._tables: dict = {}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -295,9 +297,16 @@ class AdamW(torch.optim.AdamW):
                 e = fast.get(id(p))
                 if e is not None and e[0] is p and p._local_tensor is e[1] and not e[4].retired \
                         and e[5]._grad_views is not None and e[5]._grad_views.cached(e[6]) is grad \
-                        and e[8] == amsgrad and state.get(p) is e[3] and all(e[3].get(k) is t for k, t in e[7]):
-                    fs, i, batch = e[4], e[6], e[9]
+                        and e[8] == amsgrad and state.get(p) is e[3]:
+                    st, sv = e[3], e[7]  # the state entries must still be our views (unrolled: per parameter)
+                    if st.get("step") is sv[0] and st.get("exp_avg") is sv[1] and st.get("exp_avg_sq") is sv[2] \
+                            and (sv[3] is None or st.get("max_exp_avg_sq") is sv[3]):
+                        fs, i, batch, pid = e[4], e[6], e[9], e[10]
+                    else:
+                        e = None
                 else:
+                    e = None
+                if e is None:
                     fast.pop(id(p), None)
                     hit = self._resolve(p)
                     if hit is None:
@@ -325,20 +334,23 @@ class AdamW(torch.optim.AdamW):
                     else:
                         batch = w.dtype if native_ok and w.device.type == "cpu" and w.dtype in _NATIVE_DTYPES else None
                     views = fs.views[i]
+                    pid = self._pid.get(id(p), 0)
                     fast[id(p)] = (p, p._local_tensor, None, st, fs, g, i,
-                                   tuple((k, views[k]) for k in fs._keys(amsgrad)), amsgrad, batch)
+                                   (views["step"], views["exp_avg"], views["exp_avg_sq"],
+                                    views["max_exp_avg_sq"] if amsgrad else None), amsgrad, batch, pid)
                 stepped.append(p)
                 if batch is None or not native_ok:
                     pieces.append((fs, i, p))
                     continue
                 b = batches.get(batch)
                 if b is None:
-                    b = batches[batch] = (NativeStep(_module(), arithmetic, torch.float32, bf16_seed=self.seed)
-                                          if batch == "bf16" else NativeStep(_module(), arithmetic, batch))
+                    b = batches[batch] = (
+                        NativeStep(_module(), arithmetic, torch.float32, bf16_seed=self.seed, cache=self._tables)
+                        if batch == "bf16" else NativeStep(_module(), arithmetic, batch, cache=self._tables))
                 row = rows.get(batch)
                 if row is None:
                     row = rows[batch] = b.hyper_row(index, group)
-                b.add(fs, i, row, self._pid.get(id(p), 0))
+                b.add(fs, i, row, pid)
             if other and not flat_only:
                 self._torch_step(group, other)
             if pieces:

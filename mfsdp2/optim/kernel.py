@@ -7,7 +7,8 @@ per parameter. The native kernel is used only where it computes torch's bits: at
 steps a probe problem (both ``lerp`` forms, amsgrad, maximize, float32 and float64, lengths with
 vector tails) with each variant of its arithmetic -- one or two roundings for torch's ``lerp``
 and ``addcmul`` (torch's AVX2 / AVX-512 kernels fuse them), MKL's or an IEEE square root
-(torch's CPU ``sqrt`` is MKL's VML where torch has MKL) -- and keeps the variant that matches
+(torch's CPU ``sqrt`` is MKL's VML where torch has MKL; preferably MKL's for normal inputs only,
+IEEE's for +0 and subnormals, which VML takes on a slow path) -- and keeps the variant that matches
 ``torch.optim.AdamW(foreach=False)`` bit for bit; none matching, it is not used (logged once).
 
 Everything else -- no extension, ``MFSDP2_NATIVE=0``, ``native.reference_only()``, other
@@ -32,7 +33,7 @@ __all__ = ["NativeStep", "native_arithmetic", "torch_step"]
 
 logger = logging.getLogger(__name__)
 
-_ARITH: Optional[tuple] = None  # (fma_lerp, fma_addcmul, mkl_sqrt) matching torch, () if none does
+_ARITH: Optional[tuple] = None  # (fma_lerp, fma_addcmul, sqrt_mode) matching torch, () if none does
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -51,7 +52,7 @@ def native_arithmetic() -> Optional[tuple]:
     if _ARITH is None:
         _ARITH = _probe(mod)
         if _ARITH:
-            logger.debug("mfsdp2.optim: native AdamW with fma_lerp=%s fma_addcmul=%s mkl_sqrt=%s", *_ARITH)
+            logger.debug("mfsdp2.optim: native AdamW with fma_lerp=%s fma_addcmul=%s sqrt_mode=%s", *_ARITH)
         else:
             logger.warning("mfsdp2.optim: no variant of the native AdamW kernel reproduces torch's AdamW bits "
                            "on this machine; using torch's arithmetic on the flat shards instead")
@@ -75,14 +76,25 @@ def _probe(mod) -> tuple:
     dtype on this thread first settles the initialisation."""
     for dtype in (torch.float32, torch.float64):
         torch.ones(1, dtype=dtype).sqrt()
-    variants = [(fl, fa, ms) for ms in ((True, False) if mod.has_vml_sqrt() else (False,))
+    # sqrt modes, fastest first: 2 (MKL's roots, IEEE's of +0 and subnormals), 1 (MKL's), 0 (IEEE's)
+    variants = [(fl, fa, ms) for ms in ((2, 1, 0) if mod.has_vml_sqrt() else (0,))
                 for fl in (True, False) for fa in (True, False)]
-    sizes = (4096 + 13, 37, 1, 16)
+    sizes = (4096 + 13, 37, 1, 16, 2048 + 5)
     for dtype in (torch.float32, torch.float64):
+        # The last piece's gradients are so small that exp_avg_sq's inputs to the root are +0,
+        # subnormals and the smallest normals (sqrt mode 2's two sides), some gradients exactly 0.
+        tiny = (-22, -16) if dtype == torch.float32 else (-170, -150)
         for cfg in _PROBE_CONFIGS:
             gen = torch.Generator().manual_seed(1234)
             start = [torch.randn(n, generator=gen, dtype=dtype) for n in sizes]
-            grads = [[torch.randn(n, generator=gen, dtype=dtype) * 10.0 ** (s - 3) for n in sizes] for s in range(3)]
+            grads = [[torch.randn(n, generator=gen, dtype=dtype) * 10.0 ** (s - 3) for n in sizes[:-1]]
+                     for s in range(3)]
+            for gs in grads:
+                n = sizes[-1]
+                exp = torch.randint(tiny[0], tiny[1], (n,), generator=gen).to(dtype)
+                g = torch.randn(n, generator=gen, dtype=dtype) * torch.pow(torch.tensor(10.0, dtype=dtype), exp)
+                g[::7] = 0.0
+                gs.append(g)
             ref = [torch.nn.Parameter(t.clone()) for t in start]
             opt = torch.optim.AdamW(ref, foreach=False, **cfg)
             for gs in grads:
@@ -124,10 +136,14 @@ class NativeStep:
     call. Rows of the segment table are pieces in the flat states' coordinates; the kernel
     counts each piece's step and merges adjacent pieces with equal coefficients."""
 
-    def __init__(self, mod, arithmetic: tuple, dtype: torch.dtype, bf16_seed: Optional[int] = None):
+    def __init__(self, mod, arithmetic: tuple, dtype: torch.dtype, bf16_seed: Optional[int] = None,
+                 cache: Optional[dict] = None):
         """``bf16_seed``: the flat states' moments are bfloat16 (``adamw_step_bf16``, float32
-        weights), their stochastic rounding salted with this seed."""
+        weights), their stochastic rounding salted with this seed. ``cache``: a dict kept by the
+        caller across steps, where ``run`` keeps its segment table: a step over the same pieces
+        as the last reuses the tensor (steady state: every step)."""
         self.mod = mod
+        self.cache = cache
         self.arithmetic = arithmetic
         self.dtype = dtype
         self.bf16_seed = bf16_seed
@@ -167,21 +183,43 @@ class NativeStep:
         empty = _EMPTY.get(state_dtype)
         if empty is None:
             empty = _EMPTY[state_dtype] = torch.empty(0, dtype=state_dtype)
+        table = self._table()
         if self.bf16_seed is not None:
-            rows = [(k, *fss[k].pieces[i], row, i, pid, fss[k].first_elem[i]) for k, i, row, pid in self.rows]
             self.mod.adamw_step_bf16(
                 [fs.weight for fs in fss], [fs.grad_span() for fs in fss], [fs.exp_avg for fs in fss],
                 [fs.exp_avg_sq for fs in fss],
                 [fs.max_exp_avg_sq if fs.max_exp_avg_sq is not None else empty for fs in fss],
-                [fs.steps for fs in fss], torch.tensor(rows, dtype=torch.int64),
-                torch.tensor(self.hyper, dtype=torch.float64), self.bf16_seed, *self.arithmetic[:2])
+                [fs.steps for fs in fss], table, torch.tensor(self.hyper, dtype=torch.float64), self.bf16_seed,
+                *self.arithmetic[:2])
             return
-        rows = [(k, *fss[k].pieces[i], row, i) for k, i, row, _ in self.rows]
         self.mod.adamw_step([fs.weight for fs in fss], [fs.grad_span() for fs in fss], [fs.exp_avg for fs in fss],
                             [fs.exp_avg_sq for fs in fss],
                             [fs.max_exp_avg_sq if fs.max_exp_avg_sq is not None else empty for fs in fss],
-                            [fs.steps for fs in fss], torch.tensor(rows, dtype=torch.int64),
-                            torch.tensor(self.hyper, dtype=torch.float64), *self.arithmetic)
+                            [fs.steps for fs in fss], table, torch.tensor(self.hyper, dtype=torch.float64),
+                            *self.arithmetic)
+
+    def _table(self) -> torch.Tensor:
+        """The segment table: (flat, offset, length, hyper row, step slot), and for bfloat16
+        moments (parameter id, first element). The last one is reused when it was made from the
+        same rows over flat states with equal pieces (offsets, lengths, first elements), whose values
+        are all the table is made of; the kernel only reads it."""
+        fss = self.states
+        bf16 = self.bf16_seed is not None
+        # what the table's values are made of (no flat state itself: the cache must not keep a
+        # retired one's tensors alive)
+        key = (tuple(self.rows), tuple(fs.pieces for fs in fss), tuple(fs.first_elem for fs in fss) if bf16 else None)
+        kind = (bf16, self.dtype)
+        hit = self.cache.get(kind) if self.cache is not None else None
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        if bf16:
+            rows = [(k, *fss[k].pieces[i], row, i, pid, fss[k].first_elem[i]) for k, i, row, pid in self.rows]
+        else:
+            rows = [(k, *fss[k].pieces[i], row, i) for k, i, row, _ in self.rows]
+        table = torch.tensor(rows, dtype=torch.int64)
+        if self.cache is not None:
+            self.cache[kind] = (key, table)
+        return table
 
 
 def torch_step(group: dict, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, fused: bool) -> None:

@@ -42,7 +42,7 @@ __all__ = ["Segments", "available", "has_vbmi", "reference_only", "quantise_fp8"
 logger = logging.getLogger(__name__)
 
 ENV = "MFSDP2_NATIVE"  # "0": never load the extension
-API_VERSION = 5  # csrc/module.cpp's kApiVersion: a build from other sources is not used
+API_VERSION = 6  # csrc/module.cpp's kApiVersion: a build from other sources is not used
 
 
 def module_name(version: str = torch.__version__) -> str:
