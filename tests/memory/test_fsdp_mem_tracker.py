@@ -36,6 +36,25 @@ from ..fsdp2_compat import runtimes
 from .._dist import run_ranks
 
 
+def _setup(shard, mesh, root_kw: dict, **kw):
+    """The tracked model (two Linear units under a root unit), its AdamW and one training step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    for m in (model[0], model[2]):
+        shard(m, mesh=mesh, **kw)
+    shard(model, mesh=mesh, **kw, **root_kw)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(8, 64)
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, x, step
+
+
+
 def _track(rank: int, ws: int) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -44,19 +63,7 @@ def _track(rank: int, ws: int) -> dict:
     mesh = init_device_mesh("cpu", (ws,))
     out = {}
     for name, shard in runtimes().items():
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
-        for m in (model[0], model[2]):
-            shard(m, mesh=mesh)
-        shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters())
-        x = torch.randn(8, 64)
-
-        def step():
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-
+        model, opt, x, step = _setup(shard, mesh, {})
         step()
         tracker = FSDPMemTracker(model, opt)
         tracker.track_inputs((x,))
@@ -153,19 +160,7 @@ def _drop_in(rank: int, ws: int) -> dict:
         if offload:
             kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
         for name, shard in runtimes().items():
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
-            for m in (model[0], model[2]):
-                shard(m, mesh=mesh, **kw)
-            shard(model, mesh=mesh, **kw, **({"allocator": allocator} if name == "mfsdp2" else {}))
-            opt = torch.optim.AdamW(model.parameters())
-            x = torch.randn(8, 64)
-
-            def step():
-                model(x).sum().backward()
-                opt.step()
-                opt.zero_grad()
-
+            model, opt, x, step = _setup(shard, mesh, {"allocator": allocator} if name == "mfsdp2" else {}, **kw)
             for _ in range(4 if allocator == "trace_pool" else 1):
                 step()
             r = {}

@@ -29,7 +29,7 @@ from mfsdp2.runtime.step_guard import (
 
 from .._dist import run_ranks
 from .._pipeline_stages import without_self_links
-from .test_errors_api import EXPECTED_API
+from .test_errors_api import EXPECTED_API, _capture
 from ..models import Net, batch, build, loss_fn
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "errors.md")
@@ -112,15 +112,6 @@ EXPECTED = {
     "E72": (ValueError, "is sharded over the 2-D (replicate, shard) mesh (rep=1, shard=1) (HSDP)"),
     "E73": (ValueError, "reshard_after_forward=1 (an int) for Linear, whose parameters are sharded over 2 meshes"),
 }
-
-
-def _capture(out: dict, row: str, fn) -> None:
-    try:
-        fn()
-    except BaseException as e:  # noqa: BLE001 - the type is what the row checks
-        out[row] = (type(e).__name__, str(e))
-    else:
-        out[row] = (None, "no error raised")
 
 
 def _gathered_classes():
