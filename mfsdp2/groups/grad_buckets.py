@@ -81,8 +81,8 @@ class Bucket:
 
     @property
     def label(self) -> str:
-        """The collective's name in errors and traces; built when read (issue, a failed wait), not
-        at each member's packing."""
+        """The collective's name in errors and traces; built when read (at the launch, or when a
+        wait fails), not at each member's packing."""
         index = self.index if self.index is not None else "-"
         return f"all-reduce of gradient bucket {index} ({len(self.members)} group(s), last {self.last_label})"
 
