@@ -249,6 +249,18 @@ class _WithUnused(nn.Module):
         return self.used(x)
 
 
+def _params_and_reference(model, ref) -> dict:
+    """Every parameter's full tensor next to the unsharded reference's."""
+    return {n: (p.full_tensor(), ref.get_parameter(n).detach().clone()) for n, p in model.named_parameters()}
+
+
+def _assert_matches_reference(fn) -> None:
+    """Run ``fn`` on 2 ranks; each rank's parameters equal the float64 reference's."""
+    for rank, params in enumerate(run_ranks(fn, 2)):
+        for name, (got, ref) in params.items():
+            assert_close_rel(got, ref, f"rank {rank} {name}", REL_F64)
+
+
 def _unused_params(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     torch.manual_seed(0)
@@ -267,13 +279,11 @@ def _unused_params(rank, ws):
         ropt.step()
         opt.zero_grad()
         ropt.zero_grad()
-    return {n: (p.full_tensor(), ref.get_parameter(n).detach().clone()) for n, p in model.named_parameters()}
+    return _params_and_reference(model, ref)
 
 
 def test_unused_parameters_keep_grad_none_and_match_reference():
-    for rank, params in enumerate(run_ranks(_unused_params, 2)):
-        for name, (got, ref) in params.items():
-            assert_close_rel(got, ref, f"rank {rank} {name}", REL_F64)
+    _assert_matches_reference(_unused_params)
 
 
 def _errors(rank, ws):
@@ -353,10 +363,8 @@ def _reset_after_exception(rank, ws):
         loss_fn(ref(x), y).backward()
         ropt.step()
         ropt.zero_grad()
-    return {n: (p.full_tensor(), ref.get_parameter(n).detach().clone()) for n, p in model.named_parameters()}
+    return _params_and_reference(model, ref)
 
 
 def test_reset_after_exception_in_forward_lets_training_continue():
-    for rank, params in enumerate(run_ranks(_reset_after_exception, 2)):
-        for name, (got, ref) in params.items():
-            assert_close_rel(got, ref, f"rank {rank} {name}", REL_F64)
+    _assert_matches_reference(_reset_after_exception)

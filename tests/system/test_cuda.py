@@ -417,7 +417,9 @@ class _PoisoningAllocator(DynamicAllocator):
         self.quarantine.append(tensor)
 
 
-def _zero_copy_buffer():
+def _small_buffer():
+    """A one-rank buffer of a (64, 32) weight and a (32,) bias, its shard filled with random
+    values: ``(device, layout, buffer, values, weight view, bias view, unsharded storage)``."""
     from mfsdp2.memory.buffer import DataParallelBuffer
     from mfsdp2.comm.communicator import Communicator
     from mfsdp2.memory.layout import plan_layout
@@ -430,6 +432,11 @@ def _zero_copy_buffer():
     buf.shard.copy_(values)
     w, b = buf.param_views()
     storage = buf._storage
+    return dev, layout, buf, values, w, b, storage
+
+
+def _zero_copy_buffer():
+    dev, layout, buf, values, w, b, storage = _small_buffer()
     buf.free_unsharded()  # the storage's own first allocation
     assert not buf.is_unsharded and storage.nbytes() == 0
     alloc = _PoisoningAllocator()
@@ -486,19 +493,8 @@ def _resize_buffer():
     """The fallback without _swap_data_ptr_ (forced here on any torch): unshard/reshard resize the
     storage in place; the allocator is not asked, the views (and one autograd saved) follow the
     storage into its new memory, and a reshard returns the bytes to torch's caching allocator."""
-    from mfsdp2.memory.buffer import DataParallelBuffer
-    from mfsdp2.comm.communicator import Communicator
-    from mfsdp2.memory.layout import plan_layout
-
     compat.HAS_STORAGE_SWAP = False  # read when a buffer is built (this spawned process only)
-    dev = _dev()
-    comm = Communicator(dist.group.WORLD, dev)
-    layout = plan_layout([(64, 32), (32,)], 1)
-    buf = DataParallelBuffer(layout, torch.float32, dev, comm)
-    values = torch.randn(layout.shard_numel, device=dev)
-    buf.shard.copy_(values)
-    w, b = buf.param_views()
-    storage = buf._storage
+    dev, layout, buf, values, w, b, storage = _small_buffer()
     buf.free_unsharded()
     assert not buf.is_unsharded and storage.nbytes() == 0
     alloc = _PoisoningAllocator()
