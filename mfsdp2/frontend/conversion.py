@@ -47,6 +47,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..base import plan_epoch
 from ..runtime.param_adoption import (
     adopt_replaced, asked_dtype, check_device, probe_dtype, put_grads, rebuilt, same_memory, settle, stage,
 )
@@ -132,6 +133,7 @@ def apply_to_unit(module: nn.Module, fn: Callable, recurse: bool, super_apply: C
             new = settle(state, g)
         if new is not g:
             state.groups[gi] = new
+            plan_epoch.bump(plan_epoch.PlanChange.PARAMETERS)
         new.register(unsharded=False, check=False)  # storages changed: record them again
     state.unsettled = any(g.pending for g in state.groups)
     return out

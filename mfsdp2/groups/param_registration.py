@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..base import plan_epoch
 from ..dtensors.placement import RowShard, data_parallel_dtensor, wrap_local
 from ..dtensors.tensor_parallel import tp_dp_mesh, tp_dtensor
 from .grad_views import GradViews
@@ -195,3 +196,5 @@ class ParameterRegistration:
                     "buffers; call requires_grad_(True) before fully_shard (freezing after it is fine)"
                 )
             up.requires_grad_(dp.requires_grad)
+            # Which groups reduce is part of the unit's step plan (mfsdp2.runtime.step_plan).
+            plan_epoch.bump(plan_epoch.PlanChange.REQUIRES_GRAD)

@@ -24,6 +24,7 @@ from .state import FSDPState, RootContext, TrainingState
 from . import grad_presence
 from ..memory.offload import settle_host_reads
 from .unshard import reshard, unshard_async, wait_unshard
+from .step_plan import plan_of
 
 __all__ = ["post_backward"]
 
@@ -173,27 +174,27 @@ def _run_post_backward(state: FSDPState) -> None:
 
 def post_backward(state: FSDPState) -> None:
     ctx = state.ctx
+    plan = plan_of(state)
     event_log.record("backward_end", state.name)
     # The gathered weights go back before the gradients are packed (FSDP2's order): the flat
     # gradient buffer never coexists with this unit's weights.
-    if state.reshard_after_backward:
+    if plan.reshard_after_backward:
         reshard(state)
-    if state.requires_gradient_sync:
-        with trace_range(f"mfsdp2.reduce_grad {state.name}"):
-            reducing = [(i, g) for i, g in enumerate(state.groups) if g.requires_grad and g.has_unsharded_grads()]
+    if plan.requires_gradient_sync:
+        with trace_range(plan.trace_reduce):
+            reducing = [r for r in plan.reduce if r[1].has_unsharded_grads()]
             # The step's last reduction of these groups: no later backward of this step (the
             # root's is_last_backward) and no other forward pass of the unit awaiting its backward.
             final = ctx.root.is_last_backward and state.open_passes <= 0
-            for _, g in reducing:
+            for _, g, _ in reducing:
                 g.reduce_final = final
-            if any(not g.reduces_in_bucket(ctx.buckets) for _, g in reducing):
+            if any(not g.reduces_in_bucket(ctx.buckets) for _, g, _ in reducing):
                 # At most max_reduce_in_flight reduction inputs alive, this unit's included (FSDP2's
                 # set_reduce_scatter_max_input_buffers; default 1): finish older ones first.
                 _drain(ctx, keep=state.max_reduce_in_flight - 1, keep_allreduce=state.max_reduce_in_flight)
             issued = False
-            for i, g in reducing:
-                label = f"reduce-scatter of unit {state.name!r} ({g.name}, step {ctx.step})"
-                if not g.reduce_grads(ctx.allocator, (state.name, i), label, ctx.buckets):
+            for i, g, head in reducing:
+                if not g.reduce_grads(ctx.allocator, (state.name, i), f"{head}{ctx.step})", ctx.buckets):
                     issued = True  # its own collective (a bucketed one is finished by the buckets)
             if state.subclass is not None and state.subclass.has_unsharded_grads():
                 # One subclass reduction input alive at a time across units (FSDP2's default):
@@ -205,7 +206,7 @@ def post_backward(state: FSDPState) -> None:
                     f"reduce-scatter of unit {state.name!r} (subclass parameters, step {ctx.step})")
             if issued:
                 event_log.record("rs_issue", state.name)
-                if any(g.reduce_chained for _, g in reducing):
+                if any(g.reduce_chained for _, g, _ in reducing):
                     event_log.record("ar_issue", state.name)  # chained behind the reduce-scatter
                 for q in (ctx.reduce_queue, ctx.allreduce_queue):
                     if state in q:

@@ -48,6 +48,8 @@ from . import step_guard
 from ..groups.weight_watch import agree_on_gathers
 from . import param_adoption
 from .unshard import reshard, unshard_async, wait_unshard
+from .step_plan import UnitPlan, plan_of
+from ..base import plan_epoch
 from .backward import _ForwardPass, _PostBackward, _in_backward, _pre_backward, _pre_backward_hook
 
 __all__ = ["pre_forward", "post_forward", "lazy_init", "reset"]
@@ -170,7 +172,10 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     event_log.record("forward_begin", state.name)
     if grad and (not recompute or backward_recompute):
         state.forward_with_grad = True
-        needing = {id(t): t for t in tensors_in((args, kwargs)) if t.requires_grad}
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # the usual block: one input
+            needing = {id(args[0]): args[0]} if args[0].requires_grad else {}
+        else:
+            needing = {id(t): t for t in tensors_in((args, kwargs)) if t.requires_grad}
         # A unit of several modules: the module that opens its forward pass decides, as in FSDP2
         # (which threads that module's inputs only), and each module's inputs count, so the unit
         # reduces and reshards once, when every one of them finished its backward (it reduced,
@@ -182,10 +187,14 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
         if needing:
             state.forward_pass.pending += 1
             outs = _PostBackward.apply(state, state.forward_pass, *needing.values())
-            routed = dict(zip(needing, outs))
-            args, kwargs = map_tensors(lambda t: routed.get(id(t), t), (args, kwargs))
-    if state.mp.param_dtype is not None and state.mp.cast_forward_inputs:
-        args, kwargs = map_tensors(functools.partial(_cast, dtype=state.mp.param_dtype), (args, kwargs))
+            if not kwargs and len(args) == 1 and len(outs) == 1 and args[0] is next(iter(needing.values())):
+                args = outs
+            else:
+                routed = dict(zip(needing, outs))
+                args, kwargs = map_tensors(lambda t: routed.get(id(t), t), (args, kwargs))
+    dtype = plan_of(state).cast_dtype
+    if dtype is not None:
+        args, kwargs = map_tensors(functools.partial(_cast, dtype=dtype), (args, kwargs))
     return args, kwargs
 
 
@@ -206,20 +215,27 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     event_log.record("forward_end", state.name)
     if _in_backward():  # activation-checkpoint recompute: its backward runs next, stay unsharded
         # Same output dtype as the original forward: the checkpoint compares what it recomputes.
-        return _cast_output(state, output)
+        return _cast_output(plan_of(state), output)
     ctx = state.ctx
+    plan = plan_of(state)
     grad = torch.is_grad_enabled()
     last = _last_of_group(state, module)
-    if (state.reshard_after_forward or not grad) and last:
+    if (plan.reshard_after_forward or not grad) and last:
         reshard(state, to_group=grad and state.post_forward_comm is not None)
     state.training_state = TrainingState.IDLE
     backward_follows = False
     if grad:
-        tensors = [t for t in tensors_in(output) if t.requires_grad]
+        if type(output) is torch.Tensor:
+            tensors = [output] if output.requires_grad else []
+        else:
+            tensors = [t for t in tensors_in(output) if t.requires_grad]
         if len(tensors) == 1:
             # One output (the usual block): a tensor hook fires once per backward that reaches
             # it, which is what the multi-grad hook's "any" mode gives, at a third of its cost.
-            tensors[0].register_hook(functools.partial(_pre_backward_hook, state))
+            hook = state.output_hook
+            if hook is None:
+                hook = state.output_hook = functools.partial(_pre_backward_hook, state)
+            tensors[0].register_hook(hook)
             backward_follows = True
         elif tensors:
             torch.autograd.graph.register_multi_grad_hook(
@@ -249,7 +265,7 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
             # The loss and the start of backward (the step's activation peak, usually) come next:
             # blocks the forward freed are theirs until backward asks for weights again.
             ctx.allocator.release_idle("backward")
-    return _cast_output(state, output)
+    return _cast_output(plan, output)
 
 
 def _last_of_group(state: FSDPState, module: nn.Module) -> bool:
@@ -265,9 +281,9 @@ def _last_of_group(state: FSDPState, module: nn.Module) -> bool:
     return True
 
 
-def _cast_output(state: FSDPState, output: Any) -> Any:
-    if state.mp.output_dtype is not None:
-        output = map_tensors(functools.partial(_cast, dtype=state.mp.output_dtype), output)
+def _cast_output(plan: UnitPlan, output: Any) -> Any:
+    if plan.output_dtype is not None:
+        output = map_tensors(functools.partial(_cast, dtype=plan.output_dtype), output)
     return output
 
 
@@ -302,4 +318,5 @@ def reset(ctx: RootContext) -> None:
     ctx.buckets.abort()
     ctx.callback_queued = False
     ctx.schedule.abandon_pass()
+    plan_epoch.bump(plan_epoch.PlanChange.RESET)
     event_log.record("reset", ctx.root.name)

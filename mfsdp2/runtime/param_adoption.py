@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..base import plan_epoch
 from ..groups.param_group import ParameterGroup, live_groups, mark_empty_pieces, swap_param
 from .shared_params import OWNER_ATTR, original_of
 
@@ -328,6 +329,7 @@ def settle_all(state) -> None:
         new = settle(state, g)
         if new is not g:
             state.groups[gi] = new
+            plan_epoch.bump(plan_epoch.PlanChange.PARAMETERS)
         new.register(unsharded=False, check=False)
     state.unsettled = any(g.pending for g in state.groups)
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate
 
+from ..base import plan_epoch
 from ..groups.param_group import ParamInfo, ParameterGroup, mark_empty_pieces
 from .state import FSDPState
 
@@ -111,4 +112,5 @@ def _rebuild_without(state: "FSDPState", g: "ParameterGroup", idx: int) -> None:
             setattr(orig, OWNER_ATTR, (state, new))
     new.register(unsharded=False, check=False)
     state.groups[gi] = new
+    plan_epoch.bump(plan_epoch.PlanChange.PARAMETERS)
     mark_empty_pieces(new)

@@ -45,9 +45,45 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = "post_backward"  # gradients handed to reduce-scatter
 
 
+_MISSING = object()
+
+
+class _Planned:
+    """An attribute of :class:`FSDPState` a unit's step plan decides from
+    (:mod:`mfsdp2.runtime.step_plan`): a write that changes its value counts in the unit's
+    ``flags_version``, so the plan is rebuilt at its next use.
+
+    Why a descriptor with ``__set__`` only: reads find the value in the instance's ``__dict__``
+    at the speed of a plain attribute (the hooks read these often); only writes, rare, pay."""
+
+    __slots__ = ("name",)
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __set__(self, obj, value) -> None:
+        d = obj.__dict__
+        old = d.get(self.name, _MISSING)
+        d[self.name] = value
+        if old is not value and (type(old) is not type(value) or old != value):
+            d["flags_version"] = d.get("flags_version", 0) + 1
+
+
 class FSDPState(FSDP2StateNames):
     """Everything ``fully_shard`` attached to one module (``fully_shard.state(module)``; FSDP2's
-    private names for it come from :class:`~mfsdp2.runtime.fsdp2_state.FSDP2StateNames`)."""
+    private names for it come from :class:`~mfsdp2.runtime.fsdp2_state.FSDP2StateNames`).
+
+    The attributes declared :class:`_Planned` below are those a unit's step plan is built from;
+    ``flags_version`` counts the changes to them."""
+
+    name = _Planned()
+    groups = _Planned()
+    mp = _Planned()
+    reshard_after_forward = _Planned()
+    reshard_after_backward = _Planned()
+    requires_gradient_sync = _Planned()
+    unsettled = _Planned()
+    subclass = _Planned()
 
     def __init__(
         self,
@@ -60,6 +96,9 @@ class FSDPState(FSDP2StateNames):
         reshard_after_forward: bool,
         allocator_spec,
     ):
+        self.flags_version = 0
+        self.plan = None  # step_plan.UnitPlan, built at the first use after a change
+        self.output_hook = None  # the pre-backward hook on the outputs, made once (hooks.post_forward)
         self.module = module
         self.name = name
         self.mesh = mesh

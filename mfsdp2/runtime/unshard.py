@@ -18,6 +18,7 @@ from .state import FSDPState, ShardState
 from ..precision.fp8 import gather_riders
 from ..groups.subclass_gather import riders_of
 from . import param_adoption
+from .step_plan import plan_of
 from ..memory.allocator import BufferRole
 
 __all__ = ["unshard_async", "wait_unshard", "reshard", "nothing_to_gather"]
@@ -69,12 +70,36 @@ def unshard_async(state: FSDPState) -> None:
         reshard(state)
     if state.shard_state not in (ShardState.SHARDED, ShardState.PARTIAL):
         return
+    if state.shard_state is ShardState.PARTIAL or state.ctx is None:
+        _unshard_general(state)
+        return
+    plan = plan_of(state)
+    with torch._C._DisableFuncTorch(), trace_range(plan.trace_unshard):
+        event_log.record("ag_issue", state.name)
+        alloc = state.ctx.allocator
+        step = state.ctx.step
+        state.pending_unshard = pending = []
+        if state.subclass is not None:
+            h = state.subclass.all_gather(alloc, ("weight", state.name, "subclass"),
+                                          f"{plan.subclass_label}{step})", list(plan.subclass_riders))
+            pending.append((state.subclass, h))
+            pending.extend((g, h) for g, _ in plan.subclass_riders)
+        for op in plan.gathers:
+            h = op.group.unshard(alloc, op.key, f"{op.label_head}{step})", op.rider, op.rider_key)
+            if h is not None:  # None: persistent weights, already current on every rank
+                pending.append((op.group, h))
+        state.shard_state = ShardState.UNSHARDING
+
+
+def _unshard_general(state: FSDPState) -> None:
+    """The unit's gathers without a plan: before it has a root (an explicit ``unshard()`` ahead
+    of the first forward), or from a partial reshard (``reshard_after_forward=<int>``: only the
+    rank block gathers)."""
     partial = state.shard_state is ShardState.PARTIAL
     with torch._C._DisableFuncTorch(), trace_range(f"mfsdp2.unshard {state.name}"):
         event_log.record("ag_issue", state.name)
-        # Before the root context exists (an explicit unshard() ahead of the first forward) there
-        # is no allocator yet: the buffer takes plain memory; each buffer remembers where its
-        # block came from and gives it back there at reshard.
+        # Before the root context exists there is no allocator yet: the buffer takes plain
+        # memory; each buffer remembers where its block came from and gives it back there.
         alloc = state.ctx.allocator if state.ctx is not None else None
         state.pending_unshard = []
         step = state.ctx.step if state.ctx is not None else 0
@@ -97,7 +122,6 @@ def unshard_async(state: FSDPState) -> None:
             key = (BufferRole.WEIGHT, state.name, i)
             j = riders.get(i)
             rider = (state.groups[j], (BufferRole.WEIGHT, state.name, j)) if j is not None else (None, None)
-            # From a partial reshard only the rank block gathers (e.g. inside a node).
             names = g.name + ("" if j is None else f" + {rider[0].name}")
             label = f"all-gather of unit {state.name!r} ({names}, step {step})"
             h = (g.unshard_from_group(state.post_forward_comm, alloc, key, label) if partial
