@@ -2,9 +2,13 @@
 
 Every range shows up twice: as an NVTX range (nsys on GPU) and as a ``torch.profiler``
 ``record_function`` range (CPU and GPU profiler traces), under the same name, e.g.
-``mfsdp2.unshard layers.3``. Both are cheap when nothing listens: the NVTX push/pop is a no-op
-call into libnvtx without a tool attached, and ``record_function`` is only entered while a
-torch profiler is recording.
+``mfsdp2.unshard layers.3``. Both cost nothing when nothing listens: ``record_function`` is
+only entered while a torch profiler is recording, and NVTX ranges are only pushed while an NVTX
+tool is attached (:func:`nvtx_tool_attached`). Why that test: libnvtx reaches a tool only
+through the injection library named in ``NVTX_INJECTION64_PATH``, which nsys and ncu set in the
+process they profile; without one every push is a no-op in libnvtx, but the ``nvtx`` package's
+Python wrapper still costs about a microsecond per range -- a few hundred ranges per step on a
+model of many small units. ``MFSDP2_NVTX=1`` forces the ranges on (a tool attached another way).
 
 Where the NVTX ranges come from (:func:`select_nvtx`, once at import): the ``nvtx`` package when
 it is installed; otherwise torch's own binding, ``torch.cuda.nvtx``, which every CUDA build of
@@ -30,20 +34,34 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from typing import Callable, Optional
 
 import torch
 
-__all__ = ["trace_range", "EventLog", "event_log", "select_nvtx", "nvtx_source"]
+__all__ = ["trace_range", "EventLog", "event_log", "select_nvtx", "nvtx_source", "nvtx_tool_attached"]
 
 logger = logging.getLogger(__name__)
 _profiler_enabled = torch._C._autograd._profiler_enabled
 
 
-def select_nvtx() -> tuple[Optional[str], Optional[Callable[[str], object]], Optional[Callable[[], object]]]:
-    """``(source, push, pop)`` of the NVTX binding to use: the ``nvtx`` package, else
+def nvtx_tool_attached(env=None) -> bool:
+    """Whether NVTX ranges reach a tool: an injection library is named (``NVTX_INJECTION64_PATH``
+    / ``NVTX_INJECTION32_PATH``, set by nsys and ncu in the profiled process), or ``MFSDP2_NVTX=1``."""
+    env = os.environ if env is None else env
+    if env.get("MFSDP2_NVTX") == "1":
+        return True
+    return bool(env.get("NVTX_INJECTION64_PATH") or env.get("NVTX_INJECTION32_PATH"))
+
+
+def select_nvtx(attached: Optional[bool] = None
+                ) -> tuple[Optional[str], Optional[Callable[[str], object]], Optional[Callable[[], object]]]:
+    """``(source, push, pop)`` of the NVTX binding to use: none without a tool attached
+    (``attached``, default :func:`nvtx_tool_attached`); else the ``nvtx`` package, else
     ``torch.cuda.nvtx`` where it works (a CUDA build; probed with one empty range), else
     ``(None, None, None)``."""
+    if not (nvtx_tool_attached() if attached is None else attached):
+        return None, None, None
     try:
         pkg = importlib.import_module("nvtx")
         return "nvtx", pkg.push_range, pkg.pop_range
@@ -58,7 +76,8 @@ def select_nvtx() -> tuple[Optional[str], Optional[Callable[[str], object]], Opt
     return "torch.cuda.nvtx", cuda_nvtx.range_push, cuda_nvtx.range_pop
 
 
-#: Which NVTX binding mfsdp2's ranges go to: ``"nvtx"``, ``"torch.cuda.nvtx"`` or ``None``.
+#: Which NVTX binding mfsdp2's ranges go to: ``"nvtx"``, ``"torch.cuda.nvtx"`` or ``None`` (no
+#: tool attached, or no binding).
 nvtx_source, _nvtx_push, _nvtx_pop = select_nvtx()
 
 

@@ -1,4 +1,5 @@
-"""mfsdp2's named ranges reach NVTX without the ``nvtx`` package, and the profiler always.
+"""mfsdp2's named ranges reach NVTX without the ``nvtx`` package, and the profiler always; no
+NVTX call is made while no NVTX tool is attached.
 
 Many GPU machines (our lent one among them) have no ``nvtx`` Python package; mfsdp2's NVTX ranges
 then fall back to torch's own binding, ``torch.cuda.nvtx``. This machine's torch is CPU-only, so
@@ -54,7 +55,7 @@ dist.destroy_process_group()
 def test_nvtx_falls_back_to_torch_cuda_nvtx():
     from .._dist import free_port
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, MFSDP2_NVTX="1", PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(free_port())], env=env, capture_output=True, text=True,
                           timeout=240)
@@ -75,6 +76,11 @@ def test_nvtx_selection(monkeypatch):
     fake = types.SimpleNamespace(push_range=lambda msg: calls.append(("push", msg)),
                                  pop_range=lambda: calls.append(("pop",)))
     monkeypatch.setitem(sys.modules, "nvtx", fake)
+    monkeypatch.delenv("NVTX_INJECTION64_PATH", raising=False)
+    monkeypatch.delenv("NVTX_INJECTION32_PATH", raising=False)
+    monkeypatch.delenv("MFSDP2_NVTX", raising=False)
+    assert profiling.select_nvtx() == (None, None, None)  # no tool attached: no NVTX calls at all
+    monkeypatch.setenv("NVTX_INJECTION64_PATH", "/opt/nsys/libToolsInjection64.so")
     assert profiling.select_nvtx()[0] == "nvtx"
 
     monkeypatch.setitem(sys.modules, "nvtx", None)
@@ -99,5 +105,12 @@ def test_nvtx_selection(monkeypatch):
 
 @pytest.mark.cuda
 def test_nvtx_source_on_cuda():
-    """On a CUDA machine some NVTX binding is always chosen (the package or torch's)."""
-    assert profiling.nvtx_source in ("nvtx", "torch.cuda.nvtx")
+    """On a CUDA machine with a tool attached some NVTX binding is chosen (the package or torch's)."""
+    assert profiling.select_nvtx(attached=True)[0] in ("nvtx", "torch.cuda.nvtx")
+
+
+def test_nvtx_tool_attached():
+    assert not profiling.nvtx_tool_attached({})
+    assert profiling.nvtx_tool_attached({"NVTX_INJECTION64_PATH": "/x/libToolsInjection64.so"})
+    assert profiling.nvtx_tool_attached({"MFSDP2_NVTX": "1"})
+    assert not profiling.nvtx_tool_attached({"MFSDP2_NVTX": "0", "NVTX_INJECTION64_PATH": ""})
