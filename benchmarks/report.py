@@ -52,6 +52,9 @@ SOURCES = {
                "--json benchmarks/results/step_phases_tiny.json"),
     "phases_foreach": ("step_phases_tiny_foreach.json", "python benchmarks/step_phases.py --model tiny --foreach "
                        "--json benchmarks/results/step_phases_tiny_foreach.json"),
+    "phases_host": ("step_phases_tiny_ws1.json", "python benchmarks/step_phases.py --model tiny --world-size 1 "
+                    "--frameworks plain,ddp,no_shard,optim,zero3,fsdp2,fsdp2_tuned --steps 60 "
+                    "--json benchmarks/results/step_phases_tiny_ws1.json"),
     "allocators_mlp": ("allocators_mlp.json",
                        "python benchmarks/allocators.py --json benchmarks/results/allocators_mlp.json"),
     "allocators_llama": ("allocators_llama.json", "python benchmarks/allocators.py --model llama "
@@ -298,6 +301,21 @@ def block_phases() -> str:
         parts += [f"{label}:", "", md(["framework", "forward ms", "backward ms", "optimizer step ms", "zero_grad ms",
                                        "step ms", "step / DDP"], rows), "", run_line(key, d), ""]
     return "\n".join(parts).rstrip()
+
+
+def block_phases_host() -> str:
+    """Framework host time per unit per step (world size 1: collectives are local copies)."""
+    d = load("phases_host")
+    if d is None:
+        return missing("phases_host")
+    res = d["results"]
+    ref = res.get("fsdp2_tuned") or res.get("fsdp2")
+    rows = [[k, ms(v["fwd_bwd_min_s"], 2), f"{v['per_unit_us']:.0f}", r2(v["per_unit_us"] / ref["per_unit_us"])]
+            for k, v in res.items() if k != "plain"]
+    head = (f"Plain module: forward + backward {ms(res['plain']['fwd_bwd_min_s'], 2)} ms (min over the timed "
+            "steps). Host time per unit = (forward + backward - plain's) / units.")
+    return "\n".join([head, "", md(["framework", "forward + backward ms", "host us per unit", "/ FSDP2 tuned"], rows),
+                      "", run_line("phases_host", d)])
 
 
 def block_allocators() -> str:
@@ -588,6 +606,17 @@ def block_goals() -> str:
                          "no" if any(v > 1.02 for v in vals.values()) else "yes",
                          "bound: the same count with the allocator's memory counted only while a buffer uses it "
                          "(`mfsdp2/memory/memory_bound.py`)"])
+        ph = load("phases_host")
+        if ph is not None:
+            res = ph["results"]
+            ref = res.get("fsdp2_tuned") or res.get("fsdp2")
+            v = res["zero3"]["per_unit_us"] / ref["per_unit_us"]
+            rows.append(["host time per unit per step <= 0.25 x FSDP2's (tiny, ZeRO-3, world size 1)",
+                         f"{v:.2f} ({res['zero3']['per_unit_us']:.0f} / {ref['per_unit_us']:.0f} us)",
+                         "yes" if v <= 0.25 else "no",
+                         "per unit: module hooks, an autograd function and an output hook, the parameter "
+                         "swap with its misuse checks, the gather / reduce bookkeeping; profile in the closing "
+                         "notes" if v > 0.25 else ""])
         t = _cmp(cmp_, "tiny/fp32")["ratio"].get("overhead_vs_tuned")
         if t is not None:
             rows.append(["framework overhead on tiny <= 0.5 x tuned FSDP2's", f"{t:.3f}", "yes" if t <= 0.5 else "no",
@@ -658,6 +687,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "runs": block_runs, "goals": block_goals, "tuning": block_tuning, "compare_step": block_compare_step,
     "compare_memory": block_compare_memory, "compare_wire": block_compare_wire, "profile": block_profile,
     "strategies": block_strategies, "accum": block_accum, "fp8": block_fp8, "phases": block_phases,
+    "phases_host": block_phases_host,
     "allocators": block_allocators, "optimizer": block_optimizer, "native": block_native, "clip": block_clip,
     "estimate": block_estimate, "scale_memory": block_scale_memory, "scale_steps": block_scale_steps,
     "alpha_beta": block_alpha_beta, "shard_dim": block_shard_dim, "quantised": block_quantised, "moe": block_moe,

@@ -1,8 +1,9 @@
 """Where a training step's time goes: forward, backward, ``optimizer.step()`` and ``zero_grad``,
 timed apart, for mfsdp2's strategies, torch DDP and torch FSDP2 on one model.
 
-    python benchmarks/step_phases.py [--model tiny|mlp|llama] [--frameworks ddp,no_shard,...]
-                                     [--steps N] [--foreach] [--optimizer torch|mfsdp2] [--json PATH]
+    python benchmarks/step_phases.py [--model tiny|mlp|llama] [--frameworks plain,ddp,no_shard,...]
+                                     [--steps N] [--foreach] [--optimizer torch|mfsdp2]
+                                     [--world-size N] [--json PATH]
 
 Why: the whole-step ratios of ``strategies.py`` say *that* mfsdp2's no_shard / ZeRO-1 are slower
 than DDP on the 64-unit ``tiny`` model, not *where*. Splitting the step separates what the runtime
@@ -13,13 +14,20 @@ dispatch, while DDP steps plain tensors. ``--foreach`` runs every framework with
 ``AdamW(foreach=True)`` (the default a CUDA user gets) to show that part with the dispatch
 amortised over the parameter list.
 
-Frameworks: ``ddp`` (torch DistributedDataParallel), ``no_shard`` / ``optim`` / ``optim_grads`` /
-``zero3`` (mfsdp2's strategies, ``zero3`` = ``optim_grads_params``), ``fsdp2`` / ``fsdp2_tuned``
-(torch FSDP2 as shipped / with ``_common.FSDP2_TUNED``), ``zero3_bf16`` / ``zero3_fp8`` (ZeRO-3 with
-bf16 compute, the second with FP8 all-gathers: where FP8's extra work lands). Each rank trains every framework in turn
-on the same seeded model and batches (fp32 unless named, world size 2); per phase: the median over the timed
-steps of rank 0, after a barrier before each step. Phases are timed on the host: asynchronous
-collectives left in flight by one phase are paid in the phase that waits for them.
+Per-unit host time (``--world-size 1`` with ``plain`` among the frameworks): forward + backward
+beyond the plain module's (the min over the timed steps), divided by the wrapped units. At world
+size 1 the collectives are local copies, so what is left is what each framework's hooks and
+runtime do on the host per unit per step -- the figure that decides a GPU step when the host
+cannot stay ahead of the kernels.
+
+Frameworks: ``plain`` (the module alone), ``ddp`` (torch DistributedDataParallel), ``no_shard`` /
+``optim`` / ``optim_grads`` / ``zero3`` (mfsdp2's strategies, ``zero3`` = ``optim_grads_params``),
+``fsdp2`` / ``fsdp2_tuned`` (torch FSDP2 as shipped / with ``_common.FSDP2_TUNED``), ``zero3_bf16``
+/ ``zero3_fp8`` (ZeRO-3 with bf16 compute, the second with FP8 all-gathers: where FP8's extra work
+lands). Each rank trains every framework in turn on the same seeded model and batches (fp32 unless
+named, world size 2); per phase: the median over the timed steps of rank 0, after a barrier before
+each step. Phases are timed on the host: asynchronous collectives left in flight by one phase are
+paid in the phase that waits for them.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ MFSDP2 = {"no_shard": "no_shard", "optim": "optim", "optim_grads": "optim_grads"
 
 
 def _build(fw: str, ref, mesh):
+    if fw == "plain":  # the module itself, no wrapper: what the per-unit figures subtract
+        return copy.deepcopy(ref)
     if fw == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -92,7 +102,9 @@ def worker(rank: int, ws: int, args: dict) -> dict:
                 for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                     times[p].append(dt)
         med = {p: statistics.median(v) for p, v in times.items()}
-        out[fw] = {"median_s": med, "step_s": sum(med.values()), "losses": losses}
+        # Host time of forward + backward as the min over the timed steps (the noise-free part).
+        fb = min(f + b for f, b in zip(times["forward"], times["backward"]))
+        out[fw] = {"median_s": med, "step_s": sum(med.values()), "losses": losses, "fwd_bwd_min_s": fb}
         del model, opt
     return out
 
@@ -106,12 +118,23 @@ def main() -> None:
     ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) for every framework")
     ap.add_argument("--optimizer", default="torch", choices=("torch", "mfsdp2"),
                     help="torch.optim.AdamW or mfsdp2.optim.AdamW (which steps DDP's plain tensors with torch's code)")
+    ap.add_argument("--world-size", type=int, default=2,
+                    help="ranks (1: collectives are local copies; with 'plain' among the frameworks the "
+                         "per-unit host time is reported)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     args = {"model": a.model, "frameworks": a.frameworks.split(","), "steps": a.steps, "warmup": a.warmup,
-            "foreach": a.foreach, "optimizer": a.optimizer}
+            "foreach": a.foreach, "optimizer": a.optimizer, "world_size": a.world_size}
     t0 = time.time()
-    res = C.run_ranks(worker, 2, args)[0]
+    res = C.run_ranks(worker, a.world_size, args)[0]
+    n_units = len(C.units(C.build_model(a.model)))
+    plain = res.get("plain")
+    if plain is not None:
+        for r in res.values():
+            # Framework host time per unit per step: forward + backward beyond the plain module's,
+            # over the wrapped units (the root's share included). At world size 1 the collectives
+            # are local copies, so this is the hooks' and the runtime's own work.
+            r["per_unit_us"] = (r["fwd_bwd_min_s"] - plain["fwd_bwd_min_s"]) / n_units * 1e6
     base = res.get("ddp")
     rows = []
     for fw, r in res.items():
@@ -119,9 +142,14 @@ def main() -> None:
         ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
         rows.append([fw] + [f"{m[p] * 1e3:.1f}" for p in PHASES] + [f"{r['step_s'] * 1e3:.1f}", ratio])
     opt_name = "mfsdp2.optim.AdamW" if a.optimizer == "mfsdp2" else "AdamW"
-    print(f"model {a.model}, world size 2, {opt_name}{'(foreach=True)' if a.foreach else ' (default flags)'}; "
-          "ms, rank 0 medians")
+    flags = "(foreach=True)" if a.foreach else " (default flags)"
+    print(f"model {a.model}, world size {a.world_size}, {opt_name}{flags}; ms, rank 0 medians")
     C.print_table(["framework", *PHASES, "step", "step / DDP"], rows)
+    if plain is not None:
+        ref = res.get("fsdp2_tuned") or res.get("fsdp2")
+        C.print_table(["framework", "host us per unit (fwd+bwd - plain)", "/ FSDP2"],
+                      [[fw, f"{r['per_unit_us']:.0f}", f"{r['per_unit_us'] / ref['per_unit_us']:.2f}" if ref else "-"]
+                       for fw, r in res.items() if fw != "plain"])
     if a.json:
         payload = {"results": res, "args": args, "machine": C.machine_info(), "date": C.now_iso(),
                    "command": "python benchmarks/step_phases.py " + " ".join(sys.argv[1:]), "wall_s": time.time() - t0}
