@@ -81,8 +81,8 @@ def select_nvtx(attached: Optional[bool] = None
 nvtx_source, _nvtx_push, _nvtx_pop = select_nvtx()
 
 
-class trace_range:
-    """Context manager: an NVTX range plus a profiler range named ``name``."""
+class _TraceRange:
+    """An NVTX range plus a profiler range named ``name`` (see :func:`trace_range`)."""
 
     __slots__ = ("name", "_rf")
 
@@ -90,7 +90,7 @@ class trace_range:
         self.name = name
         self._rf: Optional[torch.autograd.profiler.record_function] = None
 
-    def __enter__(self) -> "trace_range":
+    def __enter__(self) -> "_TraceRange":
         if _nvtx_push is not None:
             _nvtx_push(self.name)
         if _profiler_enabled():
@@ -104,6 +104,31 @@ class trace_range:
             self._rf = None
         if _nvtx_pop is not None:
             _nvtx_pop()
+
+
+class _NoRange:
+    """What :func:`trace_range` returns while nothing listens: one shared object, no work."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> "_NoRange":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_NO_RANGE = _NoRange()
+
+
+def trace_range(name: str):
+    """Context manager: an NVTX range plus a profiler range named ``name``; a shared no-op while
+    neither an NVTX tool is attached nor a torch profiler records (a runtime step opens a few
+    ranges per unit, so building and entering one object each would cost the host for nothing).
+    A profiler started inside such a range sees the ranges opened after it."""
+    if _nvtx_push is None and not _profiler_enabled():
+        return _NO_RANGE
+    return _TraceRange(name)
 
 
 class EventLog:
