@@ -183,9 +183,10 @@ class ParameterRegistration:
         see and do in single-process or DDP code (a full-shape plain tensor, this rank's
         gradient), and hooks that are linear in the gradient (masks, scales) give exactly the
         unsharded model's result. A check of one attribute per parameter per forward."""
-        for i, (dp, up) in enumerate(zip(self.dist_params, self.unsharded_params)):
-            if not dp._backward_hooks:
+        for i, dp in enumerate(self.dist_params):
+            if not dp._backward_hooks:  # the common case: the only read
                 continue
+            up = self.unsharded_params[i]
             if self._hooks_forwarded_to.get(i) is up or not up.requires_grad:
                 continue
             up.register_hook(_HookForwarder(dp))

@@ -369,7 +369,7 @@ class CachingAllocator(BucketAllocator):
         cannot hold it cheaply for us, blocks of :data:`MAP_FRESH_BYTES` and more on the CPU
         (torch's CPU allocator is malloc, which maps those afresh each time). On CUDA torch's
         caching allocator keeps every block; on the CPU malloc keeps the smaller ones."""
-        return device.type == "cpu" and nbytes >= MAP_FRESH_BYTES
+        return nbytes >= MAP_FRESH_BYTES and device.type == "cpu"  # the size first: most blocks are small
 
     def _key(self, phase: Optional[str] = None) -> tuple:
         return (self._tag, phase or self._phase)
@@ -395,7 +395,7 @@ class CachingAllocator(BucketAllocator):
 
     def _release(self, key, tensor):
         nbytes = tensor.nbytes
-        if role_of(key) in EXACT_ROLES or not self.keeps(tensor.device, nbytes):
+        if not self.keeps(tensor.device, nbytes) or role_of(key) in EXACT_ROLES:
             return  # back to torch now
         cls = (tensor.numel(), tensor.dtype, tensor.device)
         self._demand.note(self._key(), cls, -1)
