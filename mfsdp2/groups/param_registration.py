@@ -96,29 +96,41 @@ class ParameterRegistration:
         ``check``: the attribute must still hold one of ours; a parameter the user assigned after
         ``fully_shard`` would otherwise be overwritten here without a word, and never trained.
         """
-        params = self.unsharded_params if unsharded else self.dist_params
+        dist, full = self.dist_params, self.unsharded_params
+        params = full if unsharded else dist
         if unsharded:
             if check:
                 self._check_data_not_assigned()
             self._follow_requires_grad()
             self._forward_tensor_hooks()
-        for i, (owners, p) in enumerate(zip(self.infos, params)):
-            for info in owners:
-                if check:
-                    cur = info.owner._parameters.get(info.attr)
-                    if cur is not self.dist_params[i] and cur is not self.unsharded_params[i]:
-                        raise RuntimeError(
-                            f"mfsdp2 E14: parameter {info.fqn!r} of unit {self.unit_name!r} was replaced (or deleted) "
-                            "after fully_shard and the first forward; the runtime owns it now. Change its values "
-                            "in place (with torch.no_grad(): param.copy_(...), or load_state_dict) instead of "
-                            "assigning a new Parameter, or assign it before the first forward (a DTensor like "
-                            "the parameter, as FSDP2 takes it)"
-                        )
-                info.owner._parameters[info.attr] = p
+        # One flat pass over (place, index): this runs at every gather and reshard of the unit.
+        for info, i in self._places():
+            slots = info.owner._parameters
+            if check:
+                cur = slots.get(info.attr)
+                if cur is not dist[i] and cur is not full[i]:
+                    raise RuntimeError(
+                        f"mfsdp2 E14: parameter {info.fqn!r} of unit {self.unit_name!r} was replaced (or deleted) "
+                        "after fully_shard and the first forward; the runtime owns it now. Change its values "
+                        "in place (with torch.no_grad(): param.copy_(...), or load_state_dict) instead of "
+                        "assigning a new Parameter, or assign it before the first forward (a DTensor like "
+                        "the parameter, as FSDP2 takes it)"
+                    )
+            slots[info.attr] = params[i]
         if not unsharded and not check:
             # (Re)built parameters (fully_shard, conversions, regrouping): not every reshard, so
             # an assignment made while the unit was gathered is still caught at its next forward.
             self._record_storages()
+
+    def _places(self) -> tuple:
+        """Every ``(ParamInfo, parameter index)`` of the group, flat, in ``infos`` order. Built
+        once per ``infos`` list (set when the group is made, never changed in place: a regrouping
+        makes a new group); the ``ParamInfo`` objects themselves are read at each use."""
+        cached = self.__dict__.get("_places_cache")
+        if cached is None or cached[0] is not self.infos:
+            cached = (self.infos, tuple((info, i) for i, owners in enumerate(self.infos) for info in owners))
+            self._places_cache = cached
+        return cached[1]
 
     def _record_storages(self) -> None:
         """Remember each DTensor parameter's storage and local tensor (see
@@ -144,8 +156,8 @@ class ParameterRegistration:
         recorded = self._dp_storages
         if recorded is None:
             return
-        for i, dp in enumerate(self.dist_params):
-            if dp.untyped_storage()._cdata != recorded[i]:
+        for i, (dp, cdata) in enumerate(zip(self.dist_params, recorded)):
+            if dp.untyped_storage()._cdata != cdata:
                 if self.converted_elsewhere(i):
                     raise RuntimeError(
                         f"mfsdp2 E58: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} was converted "
@@ -173,7 +185,7 @@ class ParameterRegistration:
         gradient), and hooks that are linear in the gradient (masks, scales) give exactly the
         unsharded model's result. A check of one attribute per parameter per forward."""
         for i, dp in enumerate(self.dist_params):
-            if not dp._backward_hooks:
+            if not dp._backward_hooks:  # the common case: the only read
                 continue
             up = self.unsharded_params[i]
             if self._hooks_forwarded_to.get(i) is up or not up.requires_grad:

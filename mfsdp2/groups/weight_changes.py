@@ -32,7 +32,11 @@ class WeightChanges:
     def main_version(self) -> int:
         """Grows whenever anything writes the main weights in place (optimizer, loading)."""
         # DTensor ops bump the wrapper's counter, direct writes to a local bump the local's.
-        return self.main_weight._version + sum(dp._version + dp._local_tensor._version for dp in self.dist_params)
+        # A plain loop: this runs at every gather and staleness check, over a few parameters.
+        v = self.main_weight._version
+        for dp in self.dist_params:
+            v += dp._version + dp._local_tensor._version
+        return v
 
     def refresh_model_shard(self) -> None:
         """Cast main -> model weights into a persistent buffer's local slice (persistent groups

@@ -94,15 +94,25 @@ class AllocatorStats:
         self.peak_by_role = dict(self.live_by_role)
 
     def _add(self, key: Hashable, nbytes: int, sign: int) -> None:
+        # Runs twice per buffer (allocate, free), several buffers per unit per step: every field
+        # is read and written once, through locals.
         role = key[0] if isinstance(key, tuple) and key else key
-        self.live_bytes += sign * nbytes
-        self.live_buffers += sign
-        self.live_by_role[role] = self.live_by_role.get(role, 0) + sign
-        self.live_bytes_by_role[role] = self.live_bytes_by_role.get(role, 0) + sign * nbytes
+        live = self.live_bytes + sign * nbytes
+        self.live_bytes = live
+        count = self.live_buffers + sign
+        self.live_buffers = count
+        by_role = self.live_by_role
+        n = by_role[role] = by_role.get(role, 0) + sign
+        bytes_by_role = self.live_bytes_by_role
+        bytes_by_role[role] = bytes_by_role.get(role, 0) + sign * nbytes
         if sign > 0:
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            self.peak_buffers = max(self.peak_buffers, self.live_buffers)
-            self.peak_by_role[role] = max(self.peak_by_role.get(role, 0), self.live_by_role[role])
+            if live > self.peak_bytes:
+                self.peak_bytes = live
+            if count > self.peak_buffers:
+                self.peak_buffers = count
+            peak_by_role = self.peak_by_role
+            p = peak_by_role.get(role, 0)
+            peak_by_role[role] = n if n > p else p
 
 
 # Roles whose buffers outlive the backward that wrote them -- the main gradients, and the all-reduce
@@ -177,16 +187,22 @@ class BucketAllocator:
         if key in self._live:
             raise RuntimeError(f"mfsdp2 E20: allocator: buffer {key!r} is already live; "
                                "free it before allocating it again")
-        for o in self.observers:
-            o.allocating(key)
-        t = None
-        try:
-            t = self._obtain(key, numel, dtype, torch.device(device))
-        finally:
-            for o in self.observers:
-                o.allocated(key, t)
+        if type(device) is not torch.device:
+            device = torch.device(device)
+        observers = self.observers
+        if observers:
+            for o in observers:
+                o.allocating(key)
+            t = None
+            try:
+                t = self._obtain(key, numel, dtype, device)
+            finally:
+                for o in observers:
+                    o.allocated(key, t)
+        else:  # the common case: no memory tool listening (a unit's gather runs this per step)
+            t = self._obtain(key, numel, dtype, device)
         self._live[key] = t
-        self.stats._add(key, t.numel() * t.element_size(), +1)
+        self.stats._add(key, t.nbytes, +1)
         return t
 
     def account(self, key: Hashable, nbytes: int) -> None:
@@ -206,7 +222,7 @@ class BucketAllocator:
             self.stats._add(key, self._accounted.pop(key), -1)
             return
         t = self._live.pop(key)
-        self.stats._add(key, t.numel() * t.element_size(), -1)
+        self.stats._add(key, t.nbytes, -1)
         self._release(key, t)
 
     def leak(self, key: Hashable, why: str = "") -> None:
@@ -353,7 +369,7 @@ class CachingAllocator(BucketAllocator):
         cannot hold it cheaply for us, blocks of :data:`MAP_FRESH_BYTES` and more on the CPU
         (torch's CPU allocator is malloc, which maps those afresh each time). On CUDA torch's
         caching allocator keeps every block; on the CPU malloc keeps the smaller ones."""
-        return device.type == "cpu" and nbytes >= MAP_FRESH_BYTES
+        return nbytes >= MAP_FRESH_BYTES and device.type == "cpu"  # the size first: most blocks are small
 
     def _key(self, phase: Optional[str] = None) -> tuple:
         return (self._tag, phase or self._phase)
@@ -363,9 +379,13 @@ class CachingAllocator(BucketAllocator):
 
     def _obtain(self, key, numel, dtype, device):
         cls = (numel, dtype, device)
-        if role_of(key) not in EXACT_ROLES:
+        # Demand is only ever consulted for classes whose freed blocks are kept (``_release``,
+        # ``release_idle`` trim what ``_free`` holds): a class ``keeps`` refuses (every CUDA
+        # block, small CPU ones) never reaches ``_free``, so its requests need no record.
+        kept = self.keeps(device, numel * dtype.itemsize)
+        if kept and role_of(key) not in EXACT_ROLES:
             self._demand.note(self._key(), cls, +1)
-        bucket = self._free.get(cls)
+        bucket = self._free.get(cls) if kept else None
         if bucket:
             t = bucket.pop()
             self._cached -= t.numel() * t.element_size()
@@ -374,8 +394,8 @@ class CachingAllocator(BucketAllocator):
         return torch.empty(numel, dtype=dtype, device=device)
 
     def _release(self, key, tensor):
-        nbytes = tensor.numel() * tensor.element_size()
-        if role_of(key) in EXACT_ROLES or not self.keeps(tensor.device, nbytes):
+        nbytes = tensor.nbytes
+        if not self.keeps(tensor.device, nbytes) or role_of(key) in EXACT_ROLES:
             return  # back to torch now
         cls = (tensor.numel(), tensor.dtype, tensor.device)
         self._demand.note(self._key(), cls, -1)

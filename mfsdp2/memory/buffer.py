@@ -99,6 +99,13 @@ class DataParallelBuffer:
         self._writer = torch.empty(0, dtype=dtype, device=device).set_(
             self._storage, 0, (layout.total_numel,), (1,)
         )
+        # This rank's slice of the writer: the gather's input. A fixed view like ``_views``: it
+        # shares the storage object, so it follows every re-pointing of the storage.
+        self._mine = self.local_slice(self._writer)
+        # Per parameter: where this rank's rows sit in a shard and their view's shape
+        # (:meth:`piece_view`, several calls per parameter per step); built from ``_pieces_of``.
+        self._pieces: list = []
+        self._pieces_of: Optional[BufferLayout] = None
         if persistent:
             # A third alias with its own version counter: the optimizer's in-place updates of
             # the shard (step detection reads them) must not be confused with the gathers.
@@ -133,12 +140,21 @@ class DataParallelBuffer:
     def piece_view(self, shard: torch.Tensor, index: int) -> torch.Tensor:
         """This rank's rows of parameter ``index`` as a view of a shard-size flat tensor (its
         slices along the parameter's shard dim, in the parameter's dimension order)."""
+        if self._pieces_of is not self.layout:  # the layout (frozen) is what the geometry derives from
+            self._pieces = [self._piece_geometry(i) for i in range(len(self.layout.slots))]
+            self._pieces_of = self.layout
+        start, end, shape, dim = self._pieces[index]
+        flat = shard[start:end].view(shape)
+        return flat if dim == 0 else from_storage(flat, dim)
+
+    def _piece_geometry(self, index: int) -> tuple:
+        """``(start, end, view shape, shard dim)`` of this rank's rows of parameter ``index`` in a
+        shard: pure functions of the frozen layout and the rank, so computed once per layout."""
         slot = self.layout.slots[index]
         piece = self.layout.piece(index, self.rank)
-        flat = shard[piece.shard_offset : piece.shard_offset + piece.numel]
-        if len(slot.shape) == 0:
-            return flat.view(())
-        return from_storage(flat.view((piece.num_rows,) + slot.storage_shape[1:]), slot.shard_dim)
+        shape = () if len(slot.shape) == 0 else (piece.num_rows,) + slot.storage_shape[1:]
+        dim = 0 if len(slot.shape) == 0 else slot.shard_dim
+        return piece.shard_offset, piece.shard_offset + piece.numel, shape, dim
 
     def param_views(self) -> list[torch.Tensor]:
         """Fixed views of every parameter into the unsharded buffer (valid while unsharded)."""
@@ -159,7 +175,7 @@ class DataParallelBuffer:
         plain ``torch.empty`` when there is no allocator yet, e.g. before the root's first forward).
         Without storage swapping: ``resize_`` from torch's allocator; ``allocator`` only counts
         the bytes in its statistics (:meth:`~mfsdp2.memory.allocator.BucketAllocator.account`)."""
-        if self.is_unsharded:
+        if self._storage.nbytes() > 0:  # unsharded already
             return
         if not self._swap:
             self._storage.resize_(self._nbytes)
@@ -176,7 +192,7 @@ class DataParallelBuffer:
         self._point_storage_at(block.data_ptr(), self._nbytes)
 
     def free_unsharded(self) -> None:
-        if self.persistent or not self.is_unsharded or self._pinned:
+        if self.persistent or self._pinned or self._storage.nbytes() == 0:  # nothing gathered to free
             return
         if self._swap:
             self._point_storage_at(0, 0)
@@ -222,7 +238,7 @@ class DataParallelBuffer:
         stream waits on its event, so neither the host nor the compute stream does (one rank:
         no collective, the current stream reads the buffer next)."""
         self.materialize(allocator, key)
-        mine = self.local_slice(self._writer)
+        mine = self._mine
         if mine.data_ptr() != self.shard.data_ptr():  # a persistent buffer's shard is ``mine``
             self.shard_copy = copy_from_main(mine, self.shard)  # offloaded: on the copy-in stream
         stream = getattr(self.comm, "ag_stream", None) if self.comm.world_size > 1 else None
@@ -232,7 +248,10 @@ class DataParallelBuffer:
     def take_shard(self, stream=None) -> None:
         """Order the next reader of the shard -- ``stream``, else the current stream (the host
         where the device has none) -- after the copy-in that wrote it, if one is pending."""
-        event, self.shard_copy = self.shard_copy, None
+        event = self.shard_copy
+        if event is None:  # nothing pending (always, without CPU offload on CUDA)
+            return
+        self.shard_copy = None
         wait_copy(event, self.device, stream)
 
     def place_rows(self, rows: torch.Tensor) -> None:

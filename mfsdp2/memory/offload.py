@@ -128,6 +128,8 @@ def main_memory_for(offload_policy, compute: torch.device, where: str) -> Option
 def nonblocking(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether a copy between ``src`` and ``dst`` may run without blocking the host: one side on
     CUDA, the other in page-locked host memory (from pageable memory CUDA copies synchronously)."""
+    if dst.is_cuda == src.is_cuda:  # both on CUDA or neither (every gather's copy-in asks this)
+        return False
     if dst.device.type == "cuda" and src.device.type == "cpu":
         return src.is_pinned()
     if src.device.type == "cuda" and dst.device.type == "cpu":
