@@ -27,6 +27,7 @@ from ..memory.allocator import BucketAllocator, BufferRole
 from ..memory.offload import hold, release_held
 from ..comm.communicator import CommHandle, comm_stats
 from .grad_buckets import Bucket, BucketMemberHandle, GradientBuckets
+from .grad_mode import no_grad
 from .main_grad import MainGradient
 from .reduce_plan import ReducePlan, divide, plan_reduction
 from ..precision.te import detach_main_grads
@@ -119,7 +120,7 @@ class GradientReduction(MainGradient):
         if not any(up.grad is not None for up in self.unsharded_params):
             return
         layout = self.layout
-        with torch.no_grad():
+        with no_grad():
             if self.unsynced_grad is None:
                 self.unsynced_grad = torch.zeros(layout.total_numel, dtype=self.reduce_dtype, device=self.device)
                 self.unsynced_flags = [False] * len(self.unsharded_params)
@@ -264,7 +265,7 @@ class GradientReduction(MainGradient):
             and all(dp.grad is None for dp in self.dist_params)
             and (self.replicate_comm is None or (all_reduce and self.partial is None))
         )
-        with torch.no_grad():
+        with no_grad():
             if self.fused_full is not None:
                 full, direct = self.fused_full, False  # TE wrote into it: (BufferRole.GRAD, key)
             elif self.all_reduces_full and direct:
@@ -320,7 +321,7 @@ class GradientReduction(MainGradient):
         lane = (id(comm), self.reduce_dtype, self.device, self.divide_factor, self.force_sum)
         bucket, full = buckets.reserve(self, lane, comm, op, self.layout.total_numel, self.reduce_dtype, self.device,
                                        label)
-        with torch.no_grad():
+        with no_grad():
             has_grad = self._pack(full, plan)
         if direct:
             self.main_grad_full = full
@@ -449,7 +450,7 @@ class GradientReduction(MainGradient):
             if not self.all_reduces_full:
                 self._free_reduce_buffers(allocator, p.key)
         out = p.out
-        with torch.no_grad():
+        with no_grad():
             if p.stage is ReduceStage.SHARD_GROUP:
                 if not self.all_reduces_full:
                     self._free_reduce_buffers(allocator, p.key)
