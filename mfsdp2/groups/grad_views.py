@@ -49,7 +49,7 @@ def _refs(made: list, i: int) -> tuple[int, int]:
 class GradViews:
     """Parameter ``i``'s gradient DTensor over its rows of one main gradient (see module docstring)."""
 
-    __slots__ = ("key", "made", "base", "stale", "geom", "geom_numel", "dtype")
+    __slots__ = ("key", "made", "base", "stale", "geom", "geom_numel", "dtype", "flat")
 
     def __init__(self, n: int) -> None:
         self.key = None  # the main gradient's memory the DTensors view; None: none (detached)
@@ -61,28 +61,37 @@ class GradViews:
         self.geom: list = [None] * n
         self.geom_numel: Optional[int] = None
         self.dtype: Optional[torch.dtype] = None  # the dtype of the local tensors made
+        self.flat = False  # whether the main gradient followed is flat and contiguous
 
-    def follow(self, key: tuple) -> None:
-        """The main gradient about to be exposed is ``key`` (``(storage, data_ptr, dtype, numel)``):
-        DTensors of another live one are dropped (new ones are made), detached ones are re-pointed
-        as they are used -- unless its dtype differs from theirs (a local tensor's dtype is fixed)."""
+    def follow(self, mg: torch.Tensor) -> None:
+        """The main gradient about to be exposed is ``mg``: DTensors of another live one are dropped
+        (new ones are made), detached ones are re-pointed as they are used -- unless its dtype
+        differs from theirs (a local tensor's dtype is fixed)."""
+        # The geometry applies to a flat contiguous main gradient of the length it was read from.
+        n = mg.numel()
+        self.flat = mg.dim() == 1 and mg.stride(0) == 1
+        if self.flat and n != self.geom_numel:
+            self.geom = [None] * len(self.geom)
+            self.geom_numel = n
+        key = (mg.untyped_storage()._cdata, mg.data_ptr(), mg.dtype, n)
         if key == self.key:
             return
-        if self.key is not None or (self.stale and key[2] != self.dtype):
+        if self.key is not None or (self.stale and mg.dtype != self.dtype):
             # Viewing other memory that may still be in use, or emptied tensors of another dtype:
             # start afresh.
             self.made = [None] * len(self.made)
             self.base = [None] * len(self.made)
             self.stale.clear()
         self.key = key
-        self.dtype = key[2]
+        self.dtype = mg.dtype
 
     def get(self, i: int, mg: torch.Tensor, make: Callable[[torch.Tensor, int], torch.Tensor],
             rows: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
         """Parameter ``i``'s DTensor over its rows of the main gradient ``mg`` (the one last passed
-        to :meth:`follow`): cached (re-pointed at its rows if detached), or ``make(local, i)`` over a
-        new local tensor on those rows. ``rows(mg, i)``: the group's view of them, read once for
-        their geometry. Call under :func:`~mfsdp2.groups.grad_mode.no_grad`."""
+        to :meth:`follow`, which must precede every exposure): cached (re-pointed at its rows if
+        detached), or ``make(local, i)`` over a new local tensor on those rows. ``rows(mg, i)``:
+        the group's view of them, read once for their geometry. Call under
+        :func:`~mfsdp2.groups.grad_mode.no_grad`."""
         g = self.made[i]
         if g is not None and i not in self.stale:
             return g
@@ -105,19 +114,15 @@ class GradViews:
         return g
 
     def _geometry(self, i: int, mg: torch.Tensor, rows) -> Optional[tuple]:
-        """Parameter ``i``'s (offset, size, stride) in ``mg``; None where ``mg`` is not flat and
-        contiguous (then no geometry applies)."""
-        if mg.dim() != 1 or mg.stride(0) != 1:
+        """Parameter ``i``'s (offset, size, stride) in ``mg``; None where no geometry applies (a
+        main gradient that is not flat and contiguous, rows that are not a view of it)."""
+        if not self.flat:
             return None
-        n = mg.numel()
-        if n != self.geom_numel:
-            self.geom = [None] * len(self.geom)
-            self.geom_numel = n
         where = self.geom[i]
         if where is None:
             v = rows(mg, i)
             if v.untyped_storage()._cdata != mg.untyped_storage()._cdata:
-                return None  # rows that are not a view of mg: nothing to reuse
+                return None
             where = self.geom[i] = (v.storage_offset() - mg.storage_offset(), tuple(v.size()), tuple(v.stride()))
         return where
 

@@ -107,10 +107,12 @@ class MainGradient:
         accumulates into our DTensor parameters (we set ``.grad``), so it never calls them, and
         optimizer-in-backward (a per-parameter optimizer stepped from the hook) silently never
         stepped."""
-        for i, dp in enumerate(self.dist_params):
-            if flags[i]:
-                for hook in tuple((getattr(dp, "_post_accumulate_grad_hooks", None) or {}).values()):
-                    hook(dp)
+        for dp, flag in zip(self.dist_params, flags):
+            if flag:
+                hooks = getattr(dp, "_post_accumulate_grad_hooks", None)
+                if hooks:  # None unless one was registered
+                    for hook in tuple(hooks.values()):
+                        hook(dp)
 
     def _accumulate(self, allocator: BucketAllocator, out: torch.Tensor):
         """main_grad += out, restarting at zero the parameters whose grad the user cleared.
@@ -171,7 +173,7 @@ class MainGradient:
         # one went back to torch (grad_views.GradViews), as they are when it is the same memory.
         mg = self.main_grad
         views = self._grad_views
-        views.follow((mg.untyped_storage()._cdata, mg.data_ptr(), mg.dtype, mg.numel()))
+        views.follow(mg)
         make, rows = self._new_grad_view, self.weights.piece_view
         with no_grad():
             for i, dp in enumerate(self.dist_params):
