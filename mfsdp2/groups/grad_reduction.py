@@ -27,6 +27,7 @@ from ..memory.allocator import BucketAllocator, BufferRole
 from ..memory.offload import hold, release_held
 from ..comm.communicator import CommHandle, comm_stats
 from .grad_buckets import Bucket, BucketMemberHandle, GradientBuckets
+from .grad_mode import no_grad
 from .main_grad import MainGradient
 from .reduce_plan import ReducePlan, divide, plan_reduction
 from ..precision.te import detach_main_grads
@@ -36,6 +37,12 @@ from ..dtensors.shard_dim import storage_flat
 __all__ = ["GradientReduction", "PendingReduction", "ReduceStage"]
 
 ReduceOp = Union[dist.ReduceOp, "dist.ReduceOp.RedOpType"]
+
+
+def _write_run(full: torch.Tensor, run: list, start: int, stop: int) -> None:
+    """``full[start:stop]`` = the flat gradients of ``run`` back to back (their sizes add up to
+    ``stop - start``: ``cat`` then writes the slice in place, never resizes it)."""
+    torch.cat(run, out=full if start == 0 and stop == full.numel() else full[start:stop])
 
 
 class ReduceStage(enum.Enum):
@@ -119,7 +126,7 @@ class GradientReduction(MainGradient):
         if not any(up.grad is not None for up in self.unsharded_params):
             return
         layout = self.layout
-        with torch.no_grad():
+        with no_grad():
             if self.unsynced_grad is None:
                 self.unsynced_grad = torch.zeros(layout.total_numel, dtype=self.reduce_dtype, device=self.device)
                 self.unsynced_flags = [False] * len(self.unsharded_params)
@@ -143,8 +150,75 @@ class GradientReduction(MainGradient):
     def _pack(self, full: torch.Tensor, plan: ReducePlan) -> list[bool]:
         """Copy the unsharded grads into ``full`` (zeros where a parameter has none, and in the
         padding); TE-fused wgrads are already in place. Returns which parameters had one."""
-        layout = self.layout
         fused = self.fused_full is not None
+        has_grad = None
+        # Tensor-parallel gradients go parameter by parameter: local_grad may redistribute (a
+        # collective), which must run once per gradient, in order, on every rank.
+        if not fused and self.unsynced_grad is None and self.tp_specs.count(None) == len(self.tp_specs):
+            has_grad = self._pack_runs(full)
+        if has_grad is None:
+            has_grad = self._pack_each(full, fused)
+        if plan.pre_scale is not None:
+            full.mul_(plan.pre_scale)
+        divide(full, plan.pre_divide)
+        if fused:
+            detach_main_grads(self)
+        self.fused_full = None
+        return has_grad
+
+    def _pack_runs(self, full: torch.Tensor) -> Optional[list[bool]]:
+        """:meth:`_pack`'s common case (no TE-fused buffer, no unsynced micro-batches, no tensor
+        parallelism): the same bytes in ``full``, written with one ``torch.cat`` per run of
+        adjacent parameters that have a gradient and one ``zero_`` per stretch of padding or
+        gradient-less parameters, instead of a slice and a ``copy_`` per parameter. A ``cat``
+        into a slice of its exact size writes the slice in place, and copying is exact. None,
+        with nothing written or cleared, where a gradient's dtype is not ``full``'s (a
+        conversion: left to ``copy_``, as the general path does it) or its size is not its
+        slot's: :meth:`_pack_each` then does it all."""
+        dtype = full.dtype
+        srcs = []
+        for i, up in enumerate(self.unsharded_params):
+            g = up.grad
+            if g is not None:
+                slot = self.layout.slots[i]
+                g = storage_flat(g, slot.shard_dim)
+                if g.dtype != dtype or g.numel() != slot.numel:
+                    return None
+            srcs.append(g)
+        has_grad = []
+        run: list = []  # adjacent gradients not written yet, from run_start
+        run_start = end = 0
+        zero_from = None  # start of a stretch to zero that is not written yet (it ends at the next gradient)
+        for slot, g in zip(self.layout.slots, srcs):
+            if slot.offset > end or g is None:  # padding before this slot, or a slot without a gradient
+                if run:
+                    _write_run(full, run, run_start, end)
+                    run = []
+                if zero_from is None:
+                    zero_from = end
+            if g is not None:
+                if zero_from is not None:
+                    full[zero_from : slot.offset].zero_()
+                    zero_from = None
+                if not run:
+                    run_start = slot.offset
+                run.append(g)
+            has_grad.append(g is not None)
+            end = slot.offset + slot.numel
+        if run:
+            _write_run(full, run, run_start, end)
+        if zero_from is None and end < self.layout.total_numel:
+            zero_from = end
+        if zero_from is not None:
+            full[zero_from:].zero_()
+        for up in self.unsharded_params:
+            up.grad = None
+        return has_grad
+
+    def _pack_each(self, full: torch.Tensor, fused: bool) -> list[bool]:
+        """:meth:`_pack` parameter by parameter: TE-fused wgrads already in place, unsynced
+        micro-batches to add, tensor-parallel gradients and gradients to convert."""
+        layout = self.layout
         acc, self.unsynced_grad = self.unsynced_grad, None
         has_grad = []
         end = 0
@@ -174,12 +248,6 @@ class GradientReduction(MainGradient):
             end = slot.offset + slot.numel
         if end < layout.total_numel and not fused:
             full[end:].zero_()
-        if plan.pre_scale is not None:
-            full.mul_(plan.pre_scale)
-        divide(full, plan.pre_divide)
-        if fused:
-            detach_main_grads(self)
-        self.fused_full = None
         return has_grad
 
     @property
@@ -264,7 +332,7 @@ class GradientReduction(MainGradient):
             and all(dp.grad is None for dp in self.dist_params)
             and (self.replicate_comm is None or (all_reduce and self.partial is None))
         )
-        with torch.no_grad():
+        with no_grad():
             if self.fused_full is not None:
                 full, direct = self.fused_full, False  # TE wrote into it: (BufferRole.GRAD, key)
             elif self.all_reduces_full and direct:
@@ -320,7 +388,7 @@ class GradientReduction(MainGradient):
         lane = (id(comm), self.reduce_dtype, self.device, self.divide_factor, self.force_sum)
         bucket, full = buckets.reserve(self, lane, comm, op, self.layout.total_numel, self.reduce_dtype, self.device,
                                        label)
-        with torch.no_grad():
+        with no_grad():
             has_grad = self._pack(full, plan)
         if direct:
             self.main_grad_full = full
@@ -449,7 +517,7 @@ class GradientReduction(MainGradient):
             if not self.all_reduces_full:
                 self._free_reduce_buffers(allocator, p.key)
         out = p.out
-        with torch.no_grad():
+        with no_grad():
             if p.stage is ReduceStage.SHARD_GROUP:
                 if not self.all_reduces_full:
                     self._free_reduce_buffers(allocator, p.key)

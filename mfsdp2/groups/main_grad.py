@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from ..memory.allocator import BucketAllocator, BufferRole
 from ..memory.offload import copy_to_main, release_held
+from .grad_mode import no_grad
 
 __all__ = ["MainGradient"]
 
@@ -106,10 +107,12 @@ class MainGradient:
         accumulates into our DTensor parameters (we set ``.grad``), so it never calls them, and
         optimizer-in-backward (a per-parameter optimizer stepped from the hook) silently never
         stepped."""
-        for i, dp in enumerate(self.dist_params):
-            if flags[i]:
-                for hook in tuple((getattr(dp, "_post_accumulate_grad_hooks", None) or {}).values()):
-                    hook(dp)
+        for dp, flag in zip(self.dist_params, flags):
+            if flag:
+                hooks = getattr(dp, "_post_accumulate_grad_hooks", None)
+                if hooks:  # None unless one was registered
+                    for hook in tuple(hooks.values()):
+                        hook(dp)
 
     def _accumulate(self, allocator: BucketAllocator, out: torch.Tensor):
         """main_grad += out, restarting at zero the parameters whose grad the user cleared.
@@ -170,23 +173,24 @@ class MainGradient:
         # one went back to torch (grad_views.GradViews), as they are when it is the same memory.
         mg = self.main_grad
         views = self._grad_views
-        views.follow((mg.untyped_storage()._cdata, mg.data_ptr(), mg.dtype, mg.numel()))
-        for i, dp in enumerate(self.dist_params):
-            if not flags[i]:
-                continue
-            cur = dp.grad
-            # A gradient the user assigned between two backward() calls (``p.grad = p.grad * 2``,
-            # ``p.grad = torch.zeros_like(p)``): _accumulate folded it into the main gradient
-            # before adding this reduction, so the sum lives there; leaving the user's tensor in
-            # ``.grad`` would hand the optimizer the value from before this backward (torch and
-            # FSDP2 accumulate into whatever ``.grad`` holds).
-            if cur is not None and (cur is views.cached(i) or not self._is_foreign_grad(cur, mg, i)):
-                continue
-            dp.grad = views.get(
-                i,
-                lambda local, i=i, dp=dp: self.grad_view(local, i, dp.shape),
-                lambda i=i: self.weights.piece_view(mg, i),
-            )
+        views.follow(mg)
+        make, rows = self._new_grad_view, self.weights.piece_view
+        with no_grad():
+            for i, dp in enumerate(self.dist_params):
+                if not flags[i]:
+                    continue
+                cur = dp.grad
+                # A gradient the user assigned between two backward() calls (``p.grad = p.grad * 2``,
+                # ``p.grad = torch.zeros_like(p)``): _accumulate folded it into the main gradient
+                # before adding this reduction, so the sum lives there; leaving the user's tensor in
+                # ``.grad`` would hand the optimizer the value from before this backward (torch and
+                # FSDP2 accumulate into whatever ``.grad`` holds).
+                if cur is not None and (cur is views.cached(i) or not self._is_foreign_grad(cur, mg, i)):
+                    continue
+                dp.grad = views.get(i, mg, make, rows)
+
+    def _new_grad_view(self, local: torch.Tensor, i: int) -> torch.Tensor:
+        return self.grad_view(local, i, self.dist_params[i].shape)
 
     def grad_view(self, local: torch.Tensor, i: int, shape) -> torch.Tensor:
         """Parameter ``i``'s gradient DTensor over ``local`` (its rows of the main gradient),
