@@ -7,11 +7,11 @@ test for that must cost O(1) per call: every event that could change an assumpti
 integer here, and a plan compares the integer it was built at with the current one.
 
 Why in the bottom layer: the events come from every layer -- a ``requires_grad`` flip is seen
-where the parameters are registered (``groups``), a rebuilt group or a new recorded order where the
-unit's state is kept (``runtime``) -- and each may only import
-downwards. Per-unit settings (``set_reshard_after_forward``, ``no_sync``) do not come here: they
-bump their unit's own version (:class:`mfsdp2.runtime.state.FSDPState`), so toggling gradient
-sync every few micro-batches rebuilds one unit's plan, not every unit's.
+where the parameters are registered (``groups``), a rebuilt group where the unit's state is kept
+(``runtime``, ``frontend``) -- and each may only import downwards. Per-unit settings
+(``set_reshard_after_forward``, ``no_sync``) do not come here: they bump their unit's own
+version (:class:`mfsdp2.runtime.state.FSDPState`), so toggling gradient sync every few
+micro-batches rebuilds one unit's plan, not every unit's.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ logger = logging.getLogger(__name__)
 class PlanChange(enum.Enum):
     """What made the plans stale (the last cause is kept for tests and debugging)."""
 
-    ORDER = "order"  # the units ran forward (or backward) in another order than recorded
     PARAMETERS = "parameters"  # a unit's groups were rebuilt: adoption, conversion, sharing
     REQUIRES_GRAD = "requires_grad"  # a parameter was frozen or unfrozen
-    RESET = "reset"  # the runtime was reset after an exception
 
 
 _epoch = 0

@@ -49,7 +49,6 @@ from ..groups.weight_watch import agree_on_gathers
 from . import param_adoption
 from .unshard import reshard, unshard_async, wait_unshard
 from .step_plan import UnitPlan, plan_of
-from ..base import plan_epoch
 from .backward import _ForwardPass, _PostBackward, _in_backward, _pre_backward, _pre_backward_hook
 
 __all__ = ["pre_forward", "post_forward", "lazy_init", "reset"]
@@ -172,7 +171,8 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     event_log.record("forward_begin", state.name)
     if grad and (not recompute or backward_recompute):
         state.forward_with_grad = True
-        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # the usual block: one input
+        single = not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor  # the usual block
+        if single:
             needing = {id(args[0]): args[0]} if args[0].requires_grad else {}
         else:
             needing = {id(t): t for t in tensors_in((args, kwargs)) if t.requires_grad}
@@ -187,7 +187,7 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
         if needing:
             state.forward_pass.pending += 1
             outs = _PostBackward.apply(state, state.forward_pass, *needing.values())
-            if not kwargs and len(args) == 1 and len(outs) == 1 and args[0] is next(iter(needing.values())):
+            if single:  # its one input is the one tensor threaded through
                 args = outs
             else:
                 routed = dict(zip(needing, outs))
@@ -318,5 +318,4 @@ def reset(ctx: RootContext) -> None:
     ctx.buckets.abort()
     ctx.callback_queued = False
     ctx.schedule.abandon_pass()
-    plan_epoch.bump(plan_epoch.PlanChange.RESET)
     event_log.record("reset", ctx.root.name)

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from ..base import plan_epoch
-
 if TYPE_CHECKING:
     from .state import FSDPState
 
@@ -93,8 +91,6 @@ class Schedule:
             if self._fwd.mispredicted:
                 self.mispredictions += 1
             if record:
-                if self._fwd.seen != self.recorded:
-                    plan_epoch.bump(plan_epoch.PlanChange.ORDER)
                 self.recorded = list(self._fwd.seen)
         self._fwd = None
         self._fwd_grad = False

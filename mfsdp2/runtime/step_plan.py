@@ -11,13 +11,16 @@ state at its first use after a change, and the hooks read the plan.
 What may change a decision, and how the plan learns it, at O(1) per call:
 
 * a setting of the unit (``set_reshard_after_forward``, ``set_requires_gradient_sync`` -- what
-  ``no_sync`` does --, ``set_reshard_after_backward``, prefetch targets, the mixed-precision
-  policy, its groups being replaced): :class:`~mfsdp2.runtime.state.FSDPState` counts writes
+  ``no_sync`` does --, ``set_reshard_after_backward``, the mixed-precision policy, its
+  groups being replaced): :class:`~mfsdp2.runtime.state.FSDPState` counts writes
   to those attributes in ``flags_version``; a plan built at another count is rebuilt;
-* events that concern every unit (:class:`~mfsdp2.base.plan_epoch.PlanChange`): the recorded
-  order changed, groups were rebuilt (parameters adopted or converted, shapes included), a
-  parameter was frozen or unfrozen, a reset after an exception: they bump the global epoch and
-  every plan is rebuilt at its next use.
+* events that concern every unit (:class:`~mfsdp2.base.plan_epoch.PlanChange`): groups were
+  rebuilt (parameters adopted or converted, shapes included), a parameter was frozen or
+  unfrozen: they bump the global epoch and every plan is rebuilt at its next use.
+
+The module order is not in a plan: it is the schedule's record
+(:mod:`mfsdp2.runtime.schedule`), replaced by every training forward, from which prefetches are
+predicted per call.
 
 What stays per call: facts that change every step by design (which persistent weights are
 stale, which gradients exist, whether a gather is in flight, the grad mode, the pass's position
