@@ -220,7 +220,7 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     plan = plan_of(state)
     grad = torch.is_grad_enabled()
     last = _last_of_group(state, module)
-    if (plan.reshard_after_forward or not grad) and last:
+    if last and (not grad or (plan.reshard_after_forward and not plan.keep_after_forward)):
         reshard(state, to_group=grad and state.post_forward_comm is not None)
     state.training_state = TrainingState.IDLE
     backward_follows = False

@@ -75,6 +75,7 @@ class UnitPlan:
     subclass_riders: tuple  # (group, key) riding in the subclass parameters' all-gather
     subclass_label: str
     reshard_after_forward: bool
+    keep_after_forward: bool  # a reshard would free nothing: stay gathered until backward
     reshard_after_backward: bool
     requires_gradient_sync: bool
     reduce: tuple  # (index, group, label head) of each group with trainable parameters
@@ -133,6 +134,7 @@ def _build(state: FSDPState) -> UnitPlan:
         subclass_riders=tuple((groups[j], ("weight", name, j)) for j in sub),
         subclass_label=f"all-gather of unit {name!r} ({sub_names}, step ",
         reshard_after_forward=bool(state.reshard_after_forward),
+        keep_after_forward=_reshard_frees_nothing(state),
         reshard_after_backward=state.reshard_after_backward,
         requires_gradient_sync=state.requires_gradient_sync,
         reduce=reduce,
@@ -145,3 +147,18 @@ def _build(state: FSDPState) -> UnitPlan:
     )
     logger.debug("mfsdp2: plan of unit %s built (epoch %d)", name, plan.epoch)
     return plan
+
+
+def _reshard_frees_nothing(state: FSDPState) -> bool:
+    """Whether resharding the unit after a grad-enabled forward would free no memory: every group
+    keeps persistent weights in the compute dtype (``no_shard``, ZeRO-1/2), with no FP8 copy,
+    subclass parameters or rank-block reshard.
+
+    Why it is planned: such a unit's reshard only swaps the sharded parameters back onto the
+    module, and its backward swaps the same gathered tensors in again -- two registrations, an
+    unshard and its wait per unit and step, for nothing. The unit stays gathered until its
+    backward instead, as an FSDP2 unit with ``reshard_after_forward=False`` does (FSDP2 swaps
+    its sharded parameters in for ``state_dict()``; mfsdp2's state-dict hook reports them for a
+    gathered unit too). A grad-disabled forward still reshards: no backward follows."""
+    return (state.subclass is None and state.post_forward_comm is None
+            and all(g.persistent and g.fp8 is None for g in state.groups))

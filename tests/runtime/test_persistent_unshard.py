@@ -5,7 +5,11 @@ steps) unshard without the gather machinery (``mfsdp2.runtime.unshard.nothing_to
   optimizer step) calls ``ParameterGroup.unshard`` once per group -- the forward's re-gather after
   the step -- and a micro-batch without a step (nothing changed: the CPU's content check agrees
   nothing is stale) calls it never; no ``ag_issue`` event is recorded in either backward. The
-  general path asked every group again in each pre-backward and for every prefetch.
+  general path asks every group again in each forward.
+* Such units stay gathered from a grad-enabled forward to their backward (a reshard would free
+  nothing): two registrations per group and step instead of four, the sharded parameters back
+  on the module after backward and after a grad-disabled forward, ``state_dict()`` in between
+  unchanged, training bit-identical to resharding after forward.
 * ZeRO-3 units keep the general path: each gathers in forward and in backward.
 * The losses and parameters equal those of the same model trained with the fast path turned
   off, bit for bit (the fast path skips work that issues nothing).
@@ -85,8 +89,9 @@ def test_persistent_units_skip_the_gather_path(strategy):
         assert f["micro_calls"] == [0] * len(f["micro_calls"]), (strategy, r, f["micro_calls"])
         assert f["step_calls"] == [groups] * len(f["step_calls"]), (strategy, r, f["step_calls"])
         assert f["bwd_ag_issue"] == [0] * len(f["bwd_ag_issue"]), (strategy, r, f["bwd_ag_issue"])
-        # The general path asks the groups again (pre-backward, prefetches): strictly more calls.
-        assert sum(s["step_calls"]) > sum(f["step_calls"]) and sum(s["micro_calls"]) > 0, (strategy, r, s)
+        # The general path asks every group again in each forward (the units stay gathered to
+        # their backward, so backward asks none on either path): strictly more calls.
+        assert sum(s["micro_calls"]) > 0 and sum(s["step_calls"]) >= sum(f["step_calls"]), (strategy, r, s)
         assert f["losses"] == s["losses"], (strategy, r)
         for n, v in f["params"].items():
             assert torch.equal(v, s["params"][n]), (strategy, r, n)
@@ -96,3 +101,85 @@ def test_zero3_units_gather_in_forward_and_backward():
     (f, _) = run_ranks(_run, 2, "optim_grads_params", True)
     assert all(n > 0 for n in f["bwd_ag_issue"]), f["bwd_ag_issue"]
     assert all(n >= 2 * (UNITS - 1) for n in f["micro_calls"]), f["micro_calls"]
+
+
+# -- staying gathered from forward to backward ------------------------------------------------
+def _registrations(rank: int, ws: int, strategy: str, keep: bool) -> dict:
+    """Per steady-state step: registrations per group, what the layers' weights are between forward
+    and backward, after backward and after a grad-disabled forward, and ``state_dict()`` between
+    forward and backward against the one taken after the step."""
+    from torch.distributed.tensor import DTensor
+
+    import mfsdp2.runtime.step_plan as step_plan_mod
+
+    if not keep:
+        step_plan_mod._reshard_frees_nothing = lambda state: False
+    mesh = init_device_mesh("cpu", (ws,))
+    model = _build(strategy, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    calls = [0]
+    orig = ParameterGroup.register
+
+    def counting(self, *a, **k):
+        calls[0] += 1
+        return orig(self, *a, **k)
+
+    ParameterGroup.register = counting
+    torch.manual_seed(1 + rank)
+    out = {"losses": [], "registers": [], "between": set(), "after_backward": set(), "after_eval": set(),
+           "state_dict_ok": []}
+    try:
+        for i in range(5):
+            x = torch.randn(4, 16)
+            calls[0] = 0
+            loss = model(x).square().mean()
+            out["between"] |= {type(layer.weight) is DTensor for layer in model}
+            between_sd = model.state_dict()
+            loss.backward()
+            out["after_backward"] |= {type(p) is DTensor for p in model.parameters()}
+            after_sd = model.state_dict()
+            out["state_dict_ok"].append(all(
+                type(v) is DTensor and torch.equal(v.full_tensor(), after_sd[k].full_tensor())
+                for k, v in between_sd.items()))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out["losses"].append(loss.item())
+            with torch.no_grad():
+                model(x)
+            out["after_eval"] |= {type(p) is DTensor for p in model.parameters()}
+            if i >= 2:
+                out["registers"].append(calls[0])
+    finally:
+        ParameterGroup.register = orig
+    out["params"] = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+def test_persistent_units_stay_gathered_from_forward_to_backward(strategy):
+    """A reshard after forward frees nothing for persistent weights: each group registers its
+    gathered parameters once in forward and its sharded ones once after backward (four times if
+    it resharded after forward and re-registered in backward: the control). Between forward and
+    backward the layers hold their gathered tensors, as FSDP2's units with
+    ``reshard_after_forward=False``; ``state_dict()`` there still reports the sharded
+    parameters, and after backward and after a grad-disabled forward every parameter is the
+    DTensor again. Training is bit-identical to the control's."""
+    kept = run_ranks(_registrations, 2, strategy, True)
+    control = run_ranks(_registrations, 2, strategy, False)
+    for r, (k, c) in enumerate(zip(kept, control)):
+        # The forward and the post-backward: a group's two registrations; the grad-disabled
+        # forward after the step registers the gathered and then the sharded ones (two more).
+        assert k["registers"] == [4 * UNITS] * 3, (strategy, r, k["registers"])
+        assert c["registers"] == [6 * UNITS] * 3, (strategy, r, c["registers"])
+        assert k["between"] == {False} and c["between"] == {True}, (strategy, r)
+        assert k["after_backward"] == k["after_eval"] == {True}, (strategy, r)
+        assert all(k["state_dict_ok"]), (strategy, r)
+        assert k["losses"] == c["losses"], (strategy, r)
+        for n, v in k["params"].items():
+            assert torch.equal(v, c["params"][n]), (strategy, r, n)
+
+
+def test_zero3_units_reshard_after_forward():
+    (k, _) = run_ranks(_registrations, 2, "optim_grads_params", True)
+    # The layers are resharded after forward; only the root keeps its gathered (empty) state.
+    assert k["between"] == {True}, k["between"]
