@@ -29,8 +29,11 @@ $(NATIVE): $(STAMP) $(wildcard csrc/*)
 demo: venv native
 	$(VENV)/bin/torchrun --nproc-per-node 2 -m mfsdp2.examples.demo
 
+# Two workers (the project's machines have two cores; most cases wait on gloo and on spawned
+# ranks, so two files at a time take ~0.6x the serial time). --dist loadfile keeps a file on one
+# worker: its module-scoped launches of ranks run once, and its xdist_group cases stay together.
 test: venv native
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # ruff (pyflakes + pycodestyle at 120 columns, ruff.toml) over the package, tests, benchmarks, tools.
 lint: venv

@@ -60,7 +60,7 @@ setup(
         # releases). torchao: tests/precision, tests/optim and tests/checkpoint train its
         # quantised weights and low-bit optimizers against FSDP2 (pinned: its tensor subclasses'
         # FSDP2 hooks change between releases; it has no torch dependency of its own).
-        "test": ["pytest", "hypothesis", "pytest-timeout", "ruff==0.17.5", "safetensors", "transformers",
+        "test": ["pytest", "hypothesis", "pytest-timeout", "pytest-xdist", "ruff==0.17.5", "safetensors", "transformers",
                  "torchtitan==0.3.0", "lightning==2.6.6", "accelerate==1.15.0", "torchao==0.18.0",
                  'triton; platform_system == "Linux" and platform_machine == "x86_64"'],
         "gpu": ["nvtx"],  # the nvtx package's ranges (else torch.cuda.nvtx's, the same names)
