@@ -157,6 +157,11 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
         g.mark_changed()
 
 
+# Reads nothing of the optimizer: it may run while a step's parameters are swapped for their
+# local tensors (mfsdp2.runtime.local_step).
+_on_optimizer_step.mfsdp2_reads_no_params = True
+
+
 def watch(group) -> None:
     """Register a :class:`~mfsdp2.groups.param_group.ParameterGroup` for the optimizer-step signal; the
     hook is installed once per process and holds the groups weakly."""

@@ -28,6 +28,7 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import local_step
 from .optimizer_repair import restore_collapsed
 from .shared_params import OWNER_ATTR, original_of
 from .state import RootContext, ShardState
@@ -295,3 +296,4 @@ def watch(ctx: RootContext) -> None:
     _contexts.add(ctx)
     if _hook_handle is None:
         _hook_handle = register_optimizer_step_pre_hook(_check)
+        local_step.install()  # its pre-hook must come after this check
