@@ -20,9 +20,10 @@ When (anything else takes torch's path unchanged):
   after the swap), outside compilation and outside backward;
 * no hook could see the swapped parameters: the optimizer has no step hooks of its own, the
   global pre-hook here is the last one and its post-hook the first;
-* every DTensor parameter is of dimension one or more (a new 0-d state tensor is ambiguous: a
-  ``step`` count is plain, a moment of a 0-d parameter a DTensor), and each gradient has its
-  parameter's placements and local shape;
+* every DTensor parameter is mfsdp2's (torch FSDP2's, in the same process, keep torch's path:
+  the tests compare against them), of dimension one or more (a new 0-d state tensor is
+  ambiguous: a ``step`` count is plain, a moment of a 0-d parameter a DTensor), and each gradient
+  has its parameter's placements and local shape;
 * the optimizer's first step here ran torch's path: it created the state through DTensor, and it
   installed the instance's ``step`` wrapper that puts everything back if the step raises.
 """
@@ -144,8 +145,8 @@ def _collect(opt) -> Optional[_Swap]:
         for i, p in enumerate(params):
             if type(p) is not DTensor:
                 continue
-            if p.dim() == 0:
-                return None
+            if p.dim() == 0 or "_mfsdp2_original" not in p.__dict__:
+                return None  # a 0-d parameter, or not mfsdp2's (torch FSDP2's keeps torch's path)
             g = p.grad
             if g is None:
                 continue

@@ -7,7 +7,8 @@ through DTensor's dispatch, as under torch FSDP2): for each optimizer of
 ZeRO-3 model whose rows do not divide evenly and on a no_shard one, the parameters, every
 optimizer state (values, DTensor or not, placements) and ``optimizer.state_dict()`` are equal bit
 for bit, and the local path ran on every step after the first. The cases that must keep torch's
-path keep it (a closure, a step hook of the optimizer's own, a subclass), an
+path keep it (a closure, a step hook of the optimizer's own, a subclass, torch FSDP2's
+parameters), an
 exception inside the step leaves the parameters and the state as they were, and an LR scheduler
 built before the first step still sees its optimizer's steps.
 """
@@ -181,6 +182,20 @@ def _fallbacks(rank: int, ws: int) -> dict:
         opt.step()
     out["subclass"] = local_step.steps_taken() - before
 
+    # torch FSDP2's parameters in the same process: torch's path (the tests' reference).
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    torch_fully_shard(model[0], mesh=mesh)
+    torch_fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = local_step.steps_taken()
+    for _ in range(3):
+        model(torch.randn(4, 5)).sum().backward()
+        opt.step()
+    out["fsdp2"] = local_step.steps_taken() - before
+
     # An exception inside the step: the parameters and the state are as they were.
     model = _model("optim_grads_params", mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -244,6 +259,7 @@ def test_cases_that_keep_torchs_path_and_a_step_that_raises():
     taken, equal, seen = out["own_hook"]
     assert taken == 0 and equal and seen == ["DTensor"] * STEPS, out["own_hook"]
     assert out["subclass"] == 0
+    assert out["fsdp2"] == 0
     raised, params_ok, state_ok, locals_clear, n_state = out["exception"]
     assert raised and params_ok and state_ok and locals_clear and n_state == 4, out["exception"]
     taken, warned, lr = out["scheduler"]
