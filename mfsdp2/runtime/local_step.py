@@ -87,7 +87,8 @@ class _Swap:
 
 
 def _eligible(opt, args, kwargs) -> bool:
-    if type(opt) not in ELEMENTWISE or args[1:] or kwargs.get("closure") is not None:
+    # A closure given as None (Accelerate's wrapper passes it positionally) is no closure.
+    if type(opt) not in ELEMENTWISE or any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
         return False
     if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
         return False

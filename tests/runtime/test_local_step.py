@@ -96,6 +96,9 @@ def _train(strategy: str, name: str, mesh, rank: int, how: str = "plain") -> tup
 
         if how == "closure":
             opt.step(closure)
+        elif how == "none_closure":  # Accelerate's optimizer wrapper calls step(closure) with None
+            closure()
+            opt.step(None)
         else:
             closure()
             if how == "late" and step == 0:
@@ -167,6 +170,8 @@ def _fallbacks(rank: int, ws: int) -> dict:
     ref, _, _ = _train("optim_grads_params", "adamw", mesh, rank)
     snap, taken, _ = _train("optim_grads_params", "adamw", mesh, rank, how="closure")
     out["closure"] = (taken, _equal(snap, ref))
+    snap, taken, _ = _train("optim_grads_params", "adamw", mesh, rank, how="none_closure")
+    out["none_closure"] = (taken, _equal(snap, ref))
     snap, taken, seen = _train("optim_grads_params", "adamw", mesh, rank, how="own_hook")
     out["own_hook"] = (taken, _equal(snap, ref), seen)
 
@@ -256,6 +261,7 @@ def _fallbacks(rank: int, ws: int) -> dict:
 def test_cases_that_keep_torchs_path_and_a_step_that_raises():
     out = run_ranks(_fallbacks, 2)[0]
     assert out["closure"] == (0, True), out["closure"]  # a closure's backward runs inside the step
+    assert out["none_closure"] == (STEPS - 1, True), out["none_closure"]
     taken, equal, seen = out["own_hook"]
     assert taken == 0 and equal and seen == ["DTensor"] * STEPS, out["own_hook"]
     assert out["subclass"] == 0
