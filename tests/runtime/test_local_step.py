@@ -161,6 +161,21 @@ def test_local_step_gives_the_dtensor_steps_bits(strategy, name):
         assert "dtensor" in kinds, kinds
 
 
+def _scheduled_steps(model, opt, sched, n: int) -> tuple:
+    """``n`` steps with ``sched`` stepped after each: (local steps taken, the scheduler's warnings)."""
+    import mfsdp2.runtime.local_step as local_step
+
+    before = local_step.steps_taken()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(n):
+            model(torch.randn(4, 5)).sum().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    return local_step.steps_taken() - before, [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+
+
 def _fallbacks(rank: int, ws: int) -> dict:
     import mfsdp2.runtime.local_step as local_step
     from torch.distributed.tensor import DTensor
@@ -223,17 +238,7 @@ def _fallbacks(rank: int, ws: int) -> dict:
     model = _model("optim_grads_params", mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    before = local_step.steps_taken()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            model(torch.randn(4, 5)).sum().backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-    out["scheduler"] = (local_step.steps_taken() - before,
-                        [str(w.message) for w in caught if "lr_scheduler" in str(w.message)],
-                        opt.param_groups[0]["lr"])
+    out["scheduler"] = _scheduled_steps(model, opt, sched, 3) + (opt.param_groups[0]["lr"],)
 
     # ... and one built after the first step (it wraps the optimizer's step wrapper).
     model = _model("optim_grads_params", mesh)
@@ -243,16 +248,7 @@ def _fallbacks(rank: int, ws: int) -> dict:
     opt.zero_grad()
     moments = {p: opt.state[p]["exp_avg"] for p in model.parameters()}
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    before = local_step.steps_taken()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(2):
-            model(torch.randn(4, 5)).sum().backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-    out["scheduler_after"] = (local_step.steps_taken() - before,
-                              [str(w.message) for w in caught if "lr_scheduler" in str(w.message)])
+    out["scheduler_after"] = _scheduled_steps(model, opt, sched, 2)
     # The state objects are the ones torch made (a reference taken earlier sees the updates).
     out["same_state"] = all(opt.state[p]["exp_avg"] is m for p, m in moments.items())
     return out

@@ -38,6 +38,19 @@ def _build(strategy: str, mesh) -> torch.nn.Module:
     return fully_shard(model, mesh=mesh, sharding_strategy=strategy)
 
 
+def _count_calls(cls, name: str) -> tuple:
+    """Count calls of ``cls.name`` in ``calls[0]``; returns ``(calls, original)`` to put back."""
+    calls = [0]
+    orig = getattr(cls, name)
+
+    def counting(self, *a, **k):
+        calls[0] += 1
+        return orig(self, *a, **k)
+
+    setattr(cls, name, counting)
+    return calls, orig
+
+
 def _run(rank: int, ws: int, strategy: str, fast: bool) -> dict:
     import mfsdp2.runtime.unshard as unshard_mod
 
@@ -46,14 +59,7 @@ def _run(rank: int, ws: int, strategy: str, fast: bool) -> dict:
     mesh = init_device_mesh("cpu", (ws,))
     model = _build(strategy, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    calls = [0]
-    orig = ParameterGroup.unshard
-
-    def counting(self, *a, **k):
-        calls[0] += 1
-        return orig(self, *a, **k)
-
-    ParameterGroup.unshard = counting
+    calls, orig = _count_calls(ParameterGroup, "unshard")
     torch.manual_seed(1 + rank)
     xs = [torch.randn(4, 16) for _ in range(6)]
     out = {"losses": [], "step_calls": [], "micro_calls": [], "bwd_ag_issue": []}
@@ -117,14 +123,7 @@ def _registrations(rank: int, ws: int, strategy: str, keep: bool) -> dict:
     mesh = init_device_mesh("cpu", (ws,))
     model = _build(strategy, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    calls = [0]
-    orig = ParameterGroup.register
-
-    def counting(self, *a, **k):
-        calls[0] += 1
-        return orig(self, *a, **k)
-
-    ParameterGroup.register = counting
+    calls, orig = _count_calls(ParameterGroup, "register")
     torch.manual_seed(1 + rank)
     out = {"losses": [], "registers": [], "between": set(), "after_backward": set(), "after_eval": set(),
            "state_dict_ok": []}
