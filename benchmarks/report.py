@@ -629,9 +629,10 @@ def block_goals() -> str:
         rows.append(["no_shard and ZeRO-1 step <= 1.0 x torch DDP",
                      ", ".join(f"{x['case'].split('/')[0]} {x['variant']} {x['step_ratio']:.2f}" for x in ddp),
                      "no" if miss else "yes",
-                     "On tiny (64 small units) the gap is the optimizer and per-unit hooks: torch's AdamW runs its "
-                     "per-parameter for-loop through DTensor dispatch (FSDP2's parameters pay the same), and each "
-                     "unit costs ~0.2 ms of hook work per step that DDP does not have (phases table below)."])
+                     "On tiny (64 small units) the gap is per-unit hook work DDP does not have: module hooks, the "
+                     "backward-ordering function, the parameter swap and the reduction bookkeeping (phases table "
+                     "below). torch's elementwise optimizers step the local tensors of mfsdp2's parameters, so the "
+                     "optimizer step costs about DDP's."])
     if fp8 is not None:
         vals = {x["case"]: x for x in fp8["comparisons"] if x["comparison"] == "bf16+FP8 / mfsdp2 bf16"}
         rows.append(["FP8 all-gather step <= 1.0 x mfsdp2 bf16",
