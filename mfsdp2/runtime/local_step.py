@@ -3,7 +3,8 @@
 Why: a torch optimizer steps each DTensor parameter through DTensor's dispatch, which runs the
 same operator on the local tensors after a sharding propagation per call. On CPU (torch's default
 there is the per-parameter for-loop) that propagation costs several times the arithmetic of a
-small parameter: on a model of many small units the optimizer step was half of a no_shard step.
+small parameter: on a model of many small units it makes the optimizer step half of a no_shard
+step.
 An elementwise update of tensors that share one placement is the same operator on their local
 tensors, so stepping the locals gives the bits the DTensor step gives, without the dispatch.
 

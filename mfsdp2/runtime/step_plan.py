@@ -1,6 +1,6 @@
 """A unit's step plan: what its hooks do in the steady state, decided once.
 
-Every call of a unit's hooks used to re-derive the same decisions: which of its groups gather
+Without a plan, every call of a unit's hooks would re-derive the same decisions: which of its groups gather
 and which ride in whose all-gather (FP8, subclass parameters), the buffer keys and names of
 those gathers, which groups reduce and under which label, whether the unit reshards after
 forward or after backward, whether its gradients are synchronised, and whether its inputs are cast.
