@@ -78,15 +78,6 @@ def install() -> None:
         _post_handle = register_optimizer_step_post_hook(_post)
 
 
-class _Swap:
-    """One step's replacements: ``(params list, index, dtensor, local, state, originals)``."""
-
-    __slots__ = ("entries",)
-
-    def __init__(self):
-        self.entries: list = []
-
-
 def _eligible(opt, args, kwargs) -> bool:
     # A closure given as None (Accelerate's wrapper passes it positionally) is no closure.
     if type(opt) not in ELEMENTWISE or any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
@@ -127,7 +118,7 @@ def _pre(opt, args, kwargs) -> None:
     swap = _collect(opt)
     if swap is None:
         return
-    for params, i, p, loc, st, originals in swap.entries:
+    for params, i, p, loc, st, originals in swap:
         loc.grad = p.grad._local_tensor
         params[i] = loc
         if st is not None:
@@ -139,9 +130,10 @@ def _pre(opt, args, kwargs) -> None:
     _counter[0] += 1
 
 
-def _collect(opt) -> Optional[_Swap]:
-    """The replacements of this step, or None when a parameter rules the local path out."""
-    swap = _Swap()
+def _collect(opt) -> Optional[list]:
+    """The replacements of this step, ``(params list, index, dtensor, local, state, originals)``
+    each, or None when a parameter rules the local path out."""
+    swap = []
     for group in opt.param_groups:
         params = group["params"]
         for i, p in enumerate(params):
@@ -163,8 +155,8 @@ def _collect(opt) -> Optional[_Swap]:
                         if v.placements != p.placements or v._local_tensor.shape != p._local_tensor.shape:
                             return None
                         originals[k] = v
-            swap.entries.append((params, i, p, p._local_tensor, st, originals))
-    return swap if swap.entries else None
+            swap.append((params, i, p, p._local_tensor, st, originals))
+    return swap or None
 
 
 def _post(opt, args, kwargs) -> None:
@@ -173,9 +165,9 @@ def _post(opt, args, kwargs) -> None:
         _restore(opt, swap)
 
 
-def _restore(opt, swap: _Swap) -> None:
+def _restore(opt, swap: list) -> None:
     _active[opt] = None
-    for params, i, p, loc, st, originals in swap.entries:
+    for params, i, p, loc, _, originals in swap:
         params[i] = p
         loc.grad = None
         cur = opt.state.pop(loc, None)
