@@ -129,6 +129,12 @@ def fingerprints(ts: list) -> list:
     the terms differently gives the same int32 result. Tensors whose bytes are not int32 words,
     or that live on different devices, take :func:`fingerprint` one by one.
 
+    How: tensors of one word count (a bucket's members are usually alike: the blocks of a model)
+    are stacked as the rows of a matrix and weighted by one position vector, three row sums for
+    the lot; the rest are concatenated and summed per segment. The stacked form is the cheap one:
+    the segment sums need a segment index and a position per word and ``index_add_``, which ran at
+    a tenth of the speed of a row sum on CPU (2 ms for the 64 shards of the tiny model's bucket).
+
     No host synchronisation on CUDA: the word counts are host facts, sent to the device from
     page-locked memory without waiting (:func:`~mfsdp2.comm.communicator.device_ints`), and
     ``repeat_interleave`` is told its output size (without it, it reads the counts' sum back to
@@ -137,15 +143,49 @@ def fingerprints(ts: list) -> list:
     words = [as_words(t) for t in ts]
     if len(ts) < 2 or any(w.dtype != torch.int32 for w in words) or len({w.device for w in words}) > 1:
         return [fingerprint(t) for t in ts]
+    by_size: dict = {}
+    for i, w in enumerate(words):
+        by_size.setdefault(w.numel(), []).append(i)
+    out: list = [None] * len(ts)
+    rest = []
+    for n, idx in by_size.items():
+        if len(idx) < 2 or n == 0:
+            rest += idx
+            continue
+        for i, f in zip(idx, _stacked_fingerprints([words[i] for i in idx])):
+            out[i] = f
+    if len(rest) == 1:
+        out[rest[0]] = fingerprint(ts[rest[0]])
+    elif rest:
+        for i, f in zip(rest, _segmented_fingerprints([words[i] for i in rest])):
+            out[i] = f
+    return out
+
+
+def _stacked_fingerprints(words: list) -> list:
+    """Fingerprints of int32 word vectors of one length ``n``: the rows of a ``(k, n)`` matrix,
+    weighted by the positions' row (``p // COLS + 1``) and column (``p % COLS + 1``) numbers."""
+    i32 = torch.int32
+    n, device = words[0].numel(), words[0].device
+    w = torch.stack(words)
+    pos = torch.arange(n, device=device, dtype=i32)
+    row_w = torch.div(pos, _COLS, rounding_mode="floor").add_(1)
+    col_w = pos.remainder_(_COLS).add_(1)
+    out = torch.stack([w.sum(dim=1, dtype=i32), (w * row_w).sum(dim=1, dtype=i32), (w * col_w).sum(dim=1, dtype=i32)])
+    return list(out.t())
+
+
+def _segmented_fingerprints(words: list) -> list:
+    """Fingerprints of int32 word vectors of any lengths: concatenated, summed per segment."""
     device = words[0].device
     i32 = torch.int32
     sizes = [w.numel() for w in words]
     counts = device_ints(sizes, device)
-    seg = torch.repeat_interleave(torch.arange(len(ts), device=device), counts, output_size=sum(sizes))
+    seg = torch.repeat_interleave(torch.arange(len(words), device=device), counts, output_size=sum(sizes))
     starts = torch.cumsum(counts, 0) - counts
     pos = (torch.arange(seg.numel(), device=device) - starts[seg]).to(i32)
     flat = torch.cat(words)
-    out = torch.zeros(3, len(ts), dtype=i32, device=device)
+    out = torch.zeros(3, len(words), dtype=i32, device=device)
     out[0].index_add_(0, seg, flat)
     out[1].index_add_(0, seg, flat * (pos // _COLS + 1))
     out[2].index_add_(0, seg, flat * (pos % _COLS + 1))

@@ -427,20 +427,21 @@ def test_batched_fingerprints_equal_the_per_tensor_ones():
     """A bucket fingerprints its members in one batch; the values must be exactly those of
     ``fingerprint`` one tensor at a time (what the next root forward compares against): sizes
     around the 1024-word rows and tails, words whose weighted sums wrap modulo 2^32, dtypes whose
-    bytes are not int32 words (the per-tensor fallback), and views at offsets of one buffer."""
+    bytes are not int32 words (the per-tensor fallback), and views at offsets of one buffer.
+    Sizes that repeat take the stacked rows, the others the segment sums, mixed in one batch."""
     from mfsdp2.groups.weight_watch import fingerprint, fingerprints
 
     g = torch.Generator().manual_seed(0)
-    sizes = [1, 7, 1023, 1024, 1025, 2080, 3 * 1024 + 5, 70000]
+    sizes = [1, 7, 1023, 1024, 1025, 2080, 3 * 1024 + 5, 70000, 2080, 1, 3 * 1024 + 5, 2080, 70000]
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         ts = [(torch.randn(n, generator=g) * 1e4).to(dtype) for n in sizes]
-        for batch_ in (ts, ts[1:2] + ts[4:5], [t for t in ts if t.numel() % 2 == 0]):
+        for batch_ in (ts, ts[1:2] + ts[4:5], [t for t in ts if t.numel() % 2 == 0], ts[5::3], ts[6:8] + ts[10:]):
             got = fingerprints(batch_)
             assert len(got) == len(batch_)
             for t, f in zip(batch_, got):
                 assert f.dtype == torch.int32 and torch.equal(f, fingerprint(t)), (dtype, t.numel())
     flat = torch.randn(5000, generator=g)
-    views = [flat[0:1000], flat[1000:3100], flat[3100:5000]]
+    views = [flat[0:1000], flat[1000:3100], flat[3100:5000], flat[1:1001], flat[2:2102]]
     assert all(torch.equal(a, fingerprint(v)) for a, v in zip(fingerprints(views), views))
 
 
@@ -453,7 +454,7 @@ def test_batched_fingerprints_need_no_device_data_on_the_host():
     from mfsdp2.comm.communicator import device_ints
     from mfsdp2.groups.weight_watch import fingerprints
 
-    ts = [torch.empty(n, device="meta") for n in (7, 1024, 3000, 5000)]
+    ts = [torch.empty(n, device="meta") for n in (7, 1024, 3000, 5000, 3000, 3000)]
     got = fingerprints(ts)
     assert [(f.device.type, f.dtype, tuple(f.shape)) for f in got] == [("meta", torch.int32, (3,))] * len(ts)
     counts = device_ints([3, 0, 5], torch.device("cpu"))
