@@ -65,6 +65,15 @@ class WeightChanges:
         return (fingerprint(self.main_weight) != self._gathered_fp).any().to(device=one.device, dtype=one.dtype)
 
     @property
+    def computes_on_main(self) -> bool:
+        """The module computes with the main weights' own memory: persistent weights in the main
+        dtype, not offloaded, on a shard group of one rank (``no_shard``), where the full buffer
+        *is* the main weights. A gather of such a group has nothing to copy, cast or collect, so
+        a change of its weights (a step, a load, a write through ``.data``) needs no re-gather:
+        the module reads the new values where they were written."""
+        return self.persistent and self._shares_main and self.comm.world_size == 1
+
+    @property
     def fingerprinted(self) -> bool:
         """Persistent weights whose content may be compared at a root forward (a write through
         ``.data`` bumps no counter). Not when the module computes with the main weights' own
@@ -73,7 +82,7 @@ class WeightChanges:
         and nothing is re-cast or re-gathered; not after ``set_detect_data_writes(False)``.
         Whether it is compared or the group simply re-gathers is
         :func:`~mfsdp2.groups.weight_watch.watch_mode`'s decision."""
-        return self.persistent and self.content_check and (self.comm.world_size > 1 or self._needs_cast)
+        return self.persistent and self.content_check and not self.computes_on_main
 
     def host_changed(self) -> bool:
         """A change this rank's host knows of: a step, an announced write, a moved version counter."""

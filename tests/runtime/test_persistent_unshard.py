@@ -2,10 +2,11 @@
 steps) unshard without the gather machinery (``mfsdp2.runtime.unshard.nothing_to_gather``).
 
 * Counted at two ranks on a stack of small units: a steady-state step (forward, backward,
-  optimizer step) calls ``ParameterGroup.unshard`` once per group -- the forward's re-gather after
-  the step -- and a micro-batch without a step (nothing changed: the CPU's content check agrees
-  nothing is stale) calls it never; no ``ag_issue`` event is recorded in either backward. The
-  general path asks every group again in each forward.
+  optimizer step) calls ``ParameterGroup.unshard`` once per ZeRO-1/2 group -- the forward's
+  re-gather after the step -- and never for a ``no_shard`` group, whose module computes with the
+  main weights' own memory (the step wrote what it reads); a micro-batch without a step (nothing
+  changed: the CPU's content check agrees nothing is stale) calls it never; no ``ag_issue`` event
+  is recorded in either backward. The general path asks every group again in each forward.
 * Such units stay gathered from a grad-enabled forward to their backward (a reshard would free
   nothing): two registrations per group and step instead of four, the sharded parameters back
   on the module after backward and after a grad-disabled forward, ``state_dict()`` in between
@@ -89,7 +90,8 @@ def _run(rank: int, ws: int, strategy: str, fast: bool) -> dict:
 def test_persistent_units_skip_the_gather_path(strategy):
     fast = run_ranks(_run, 2, strategy, True)
     slow = run_ranks(_run, 2, strategy, False)
-    groups = UNITS + 0  # the root holds no parameters of its own
+    # The root holds no parameters of its own; no_shard groups re-gather nothing after a step.
+    groups = 0 if strategy == "no_shard" else UNITS
     for r, (f, s) in enumerate(zip(fast, slow)):
         # Pass i runs after pass i-1: even passes follow a micro-batch (no step), odd ones a step.
         assert f["micro_calls"] == [0] * len(f["micro_calls"]), (strategy, r, f["micro_calls"])
