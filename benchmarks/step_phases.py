@@ -22,6 +22,7 @@ cannot stay ahead of the kernels.
 
 Frameworks: ``plain`` (the module alone), ``ddp`` (torch DistributedDataParallel), ``no_shard`` /
 ``optim`` / ``optim_grads`` / ``zero3`` (mfsdp2's strategies, ``zero3`` = ``optim_grads_params``),
+``zero3_buckets`` (ZeRO-3 with ``set_all_gather_bucket_cap_mb(4)``: small units share all-gathers),
 ``fsdp2`` / ``fsdp2_tuned`` (torch FSDP2 as shipped / with ``_common.FSDP2_TUNED``), ``zero3_bf16``
 / ``zero3_fp8`` (ZeRO-3 with bf16 compute, the second with FP8 all-gathers: where FP8's extra work
 lands). Each rank trains every framework in turn on the same seeded model and batches (fp32 unless
@@ -45,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
+ZERO3_GATHER_BUCKET_MB = 4  # zero3_buckets: set_all_gather_bucket_cap_mb
 MFSDP2 = {"no_shard": "no_shard", "optim": "optim", "optim_grads": "optim_grads", "zero3": "optim_grads_params"}
 
 
@@ -57,6 +59,10 @@ def _build(fw: str, ref, mesh):
         return DistributedDataParallel(copy.deepcopy(ref), broadcast_buffers=False, gradient_as_bucket_view=True)
     if fw in MFSDP2:
         return C.shard(copy.deepcopy(ref), "mfsdp2", "fp32", mesh, sharding_strategy=MFSDP2[fw])
+    if fw == "zero3_buckets":  # small units gather in shared all-gathers (off by default)
+        model = C.shard(copy.deepcopy(ref), "mfsdp2", "fp32", mesh, sharding_strategy="optim_grads_params")
+        model.set_all_gather_bucket_cap_mb(ZERO3_GATHER_BUCKET_MB)
+        return model
     if fw in ("zero3_bf16", "zero3_fp8"):
         import torch
 
@@ -112,7 +118,7 @@ def worker(rank: int, ws: int, args: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny", choices=C.MODELS)
-    ap.add_argument("--frameworks", default="ddp,no_shard,optim,optim_grads,zero3,fsdp2_tuned")
+    ap.add_argument("--frameworks", default="ddp,no_shard,optim,optim_grads,zero3,zero3_buckets,fsdp2_tuned")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) for every framework")

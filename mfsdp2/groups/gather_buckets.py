@@ -1,4 +1,5 @@
-"""Persistent-weight all-gathers bucketed across units (ZeRO-1 ``optim``, ZeRO-2 ``optim_grads``).
+"""All-gathers bucketed across units: persistent weights (ZeRO-1 ``optim``, ZeRO-2
+``optim_grads``) always, small ZeRO-3 units when asked (``set_all_gather_bucket_cap_mb``).
 
 Why: these strategies keep the full model weights between steps and re-gather them once per
 change of the main weights (after each optimizer step), one all-gather per unit, issued by the
@@ -6,7 +7,12 @@ unit's pre-forward. With many small units (64 ``Linear(64, 64)`` blocks) that is
 collectives of a few KiB each, each paying the backend's fixed latency (about 0.8 ms on gloo):
 ZeRO-1's forward took 56 ms where torch DDP's takes 1 ms. Here the stale small groups share
 **buckets**, one all-gather each, issued from the root's forward so the first units' compute
-overlaps the later buckets.
+overlaps the later buckets. A ZeRO-3 unit pays the same latency twice per step (its forward and
+its backward gather): with a cap set, the small sharded groups of the units about to gather join
+buckets too, planned at the root's forward in the recorded order and again at the first
+pre-backward of each backward in its reverse (``mfsdp2.runtime.unshard.plan_bucketed_gathers``
+picks the units). Off by default: FSDP2 gathers each unit alone, and a bucket holds its
+members' gathered rows before their units run (at most ``max_in_flight`` buckets of the cap).
 
 The plan is made at every root forward, after the ranks agreed which persistent groups are stale
 (:func:`mfsdp2.groups.weight_watch.agree_on_gathers`), from facts every rank shares: the schedule's
@@ -14,25 +20,30 @@ recorded forward order (every rank runs the same units in the same order), the a
 flags, the groups' sizes and the bucket cap. Eligible: persistent, not FP8, a shard group of more
 than one rank, stale, and smaller than both the cap and :data:`SMALL_GATHER_BYTES` (1 MiB: a
 larger group keeps gathering straight into its own buffer, no copy, overlapping its neighbours'
-compute). Groups that can share a collective (same process group, compute dtype and
-device) are cut greedily, in recorded order, into buckets of at most the cap; a bucket of one
-group is dropped (the group gathers itself as before). So every rank makes the same plan and
-issues the same collectives in the same order.
+compute); a sharded group must also not be gathered already, nor offloaded, nor stepped in
+backward. Groups that can share a collective (same process group, compute dtype and
+device, and both persistent or both sharded) are cut greedily, in plan order, into buckets of at
+most the cap; a bucket of one group is dropped (the group gathers itself as before). So every
+rank makes the same plan and issues the same collectives in the same order.
 
 A bucket's all-gather input is its members' shards side by side; its output (an allocator block,
 role ``"gather_bucket"``) is laid out rank-major, ``[rank 0: A, B, ...][rank 1: A, B, ...]``, so a
 member's rows are one strided ``(world size, shard)`` block of it, copied into the group's
-persistent buffer when the member is waited on (:class:`MemberGather`). The block goes back to
-the allocator once every member was copied out. At most :attr:`PersistentGathers.max_in_flight`
+persistent buffer when the member is waited on (:class:`MemberGather`; a sharded group's buffer
+gets its allocator block when its unit takes the member's handle, as its own gather would). The block goes back to
+the allocator once every member was copied out. At most :attr:`GatherBuckets.max_in_flight`
 buckets hold blocks at a time: the next is issued when one is emptied (program order, the same on
 every rank). A member waited on before its bucket was issued (the forward order changed) issues
 it -- and every bucket before it -- first, so no wait ever blocks on a collective never started.
 
 A group counts as stale while its rows are still to come (``ParameterGroup.pending_gather``), so
-its unit's ``unshard`` always hands out the member's handle. The root's post-forward finishes the
-plan: issued buckets are waited and copied out (units that did not run), buckets never issued are
-dropped, their groups still stale (they gather per unit when next used: nothing changed on any
-rank, so every rank does the same). After an exception, ``reset`` settles what was issued and
+its unit's ``unshard`` always hands out the member's handle -- unless its weights were written
+since the bucket was issued (announced, or for a sharded group a moved version counter): then it
+gathers afresh. The root's post-forward (and a backward's final callback) finishes the plan:
+issued buckets are waited and copied out (persistent groups of units that did not run; a sharded
+group whose unit never asked gets nothing), buckets never issued are dropped, their groups still
+stale (they gather per unit when next used: nothing changed on any rank, so every rank does the
+same). After an exception, ``reset`` settles what was issued and
 marks members whose rows may be missing as changed (and ``hooks.reset`` every persistent group, on
 every rank, so the ranks decide alike at the next root forward).
 """
@@ -49,7 +60,7 @@ from ..comm.communicator import CommHandle
 from ..base.profiling import trace_range
 from .weight_watch import WatchMode, fingerprints, watch_mode
 
-__all__ = ["PersistentGathers", "MemberGather"]
+__all__ = ["GatherBuckets", "MemberGather"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +90,8 @@ class _Bucket:
         self.block: Optional[torch.Tensor] = None
         self.handle: Optional[CommHandle] = None  # None until issued
         self.remaining: dict = {}  # id(group) -> its MemberGather, until copied out
-        self.label = (f"all-gather of persistent-weight bucket {index} ({len(members)} groups, "
+        kind = "persistent-weight" if g0.persistent else "sharded-weight"
+        self.label = (f"all-gather of {kind} bucket {index} ({len(members)} groups, "
                       f"{members[0].name} .. {members[-1].name}, step {step})")
 
     def rows(self, i: int) -> torch.Tensor:
@@ -95,7 +107,7 @@ class MemberGather:
 
     __slots__ = ("gathers", "bucket", "index", "group", "done")
 
-    def __init__(self, gathers: "PersistentGathers", bucket: _Bucket, index: int):
+    def __init__(self, gathers: "GatherBuckets", bucket: _Bucket, index: int):
         self.gathers = gathers
         self.bucket = bucket
         self.index = index
@@ -124,25 +136,38 @@ class MemberGather:
         return self.gathers.settle(self)
 
 
-class PersistentGathers:
-    """The persistent-gather buckets of one root's forward (``RootContext.gathers``)."""
+class GatherBuckets:
+    """The gather buckets of one root's forward or backward (``RootContext.gathers``)."""
 
     def __init__(self, allocator: BucketAllocator, root_name: str):
         self.allocator = allocator
         self.root_name = root_name
         self.max_in_flight = 2
+        self.backward_plan = False  # the current plan was made at a backward's start
+        # Bucket cap of the sharded (ZeRO-3) groups' gathers; 0: each unit gathers alone (FSDP2's way).
+        self.transient_cap_bytes = DEFAULT_TRANSIENT_CAP_BYTES
         self._buckets: list[_Bucket] = []
         self._next = 0  # index of the next bucket to issue
         self.issued_count = 0  # buckets issued since creation (tests, diagnostics)
 
     # -- plan ---------------------------------------------------------------------------------
-    def start(self, order: list, cap_bytes: int, step: int) -> None:
-        """At the root's forward, after the agreement: plan buckets over the stale small
-        persistent groups of the units in ``order`` (the recorded forward order) and issue the
-        first ones."""
-        if self._buckets:  # a forward that never ended (an exception not followed by reset)
+    def start(self, order: list, cap_bytes: int, step: int, transient: Optional[set] = None,
+              persistent: bool = True, transient_cap_bytes: int = 0) -> None:
+        """Plan buckets over the small groups of the units in ``order`` and issue the first ones.
+
+        At the root's forward, after the agreement: ``order`` is the recorded forward order, the
+        stale small persistent groups join (``persistent``), and so do the small sharded groups
+        of the units whose ids are in ``transient`` (ZeRO-3 units about to gather, chosen by the
+        runtime from facts every rank shares). At a backward's start ``order`` is the reversed
+        record, ``persistent`` is False and ``transient`` names the units whose backward will
+        gather. Persistent groups are cut at ``cap_bytes``, sharded ones at
+        ``transient_cap_bytes`` (their gathered rows are memory a ZeRO-3 step would not hold
+        yet: a smaller cap)."""
+        if self._buckets:  # a forward that never ended, or a backward run inside a forward
             self.finish()
-        if cap_bytes <= 0:
+        self.backward_plan = not persistent
+        transient = transient or set()
+        if cap_bytes <= 0 and not transient:
             return
         lanes: dict = {}
         seen: set = set()
@@ -151,16 +176,19 @@ class PersistentGathers:
             if id(s) in seen:
                 continue
             seen.add(id(s))
+            joins = id(s) in transient
             for g in s.groups:
-                if _bucketable(g, cap_bytes):
-                    lanes.setdefault((id(g.comm.group), g.compute_dtype, g.device), []).append((pos, g))
+                if ((persistent and _bucketable(g, cap_bytes))
+                        or (joins and _transient_bucketable(g, transient_cap_bytes))):
+                    lanes.setdefault((id(g.comm.group), g.compute_dtype, g.device, g.persistent), []).append((pos, g))
                     pos += 1
         cut = []
-        for members in lanes.values():
+        for lane, members in lanes.items():
+            cap = cap_bytes if lane[-1] else transient_cap_bytes
             cur: list = []
             size = 0
             for p, g in members:
-                if cur and size + g.weights.nbytes > cap_bytes:
+                if cur and size + g.weights.nbytes > cap:
                     cut.append(cur)
                     cur, size = [], 0
                 cur.append((p, g))
@@ -203,10 +231,15 @@ class PersistentGathers:
         self.issued_count += 1
 
     def collect(self, m: MemberGather) -> None:
-        """``m``'s bucket was waited: copy its rows out; free the block after the last member."""
+        """``m``'s bucket was waited: copy its rows out; free the block after the last member. A
+        sharded group's rows go into its unsharded buffer when its unit took them (the buffer was
+        given its block then); a unit that never asked (it did not run) gets none."""
         b, g = m.bucket, m.group
-        with torch.no_grad():
-            g.weights.place_rows(b.rows(m.index))
+        if g.persistent or g.weights.is_unsharded:
+            # As a unit's own gather: outside grad mode and torch.func's transforms (the rows are
+            # written into a buffer a transformed function captured).
+            with torch.no_grad(), torch._C._DisableFuncTorch():
+                g.weights.place_rows(b.rows(m.index))
         self._done(m)
         if not b.remaining:
             self.allocator.free(b.key)
@@ -233,6 +266,13 @@ class PersistentGathers:
             for m in list(b.remaining.values()):
                 m.wait()
         self._buckets, self._next = [], 0
+        self.backward_plan = False
+
+    def finish_backward(self) -> None:
+        """A backward's final callback: finish the plan its first pre-backward made (a forward's
+        plan, of a backward run inside that forward, is the root's post-forward's to finish)."""
+        if self.backward_plan:
+            self.finish()
 
     def settle(self, m: MemberGather) -> bool:
         b = m.bucket
@@ -262,7 +302,11 @@ class PersistentGathers:
                 self.allocator.leak(b.key, f"the {b.label} failed and may still be running")
                 b.block = None
         self._buckets, self._next = [], 0
+        self.backward_plan = False
 
+
+# The sharded groups' bucket cap unless set (``set_all_gather_bucket_cap_mb``).
+DEFAULT_TRANSIENT_CAP_BYTES = 0
 
 # Groups from this size up gather alone even below the cap: their collective is no longer
 # latency-bound, and a bucket would cost them the zero-copy gather and the per-unit overlap (a
@@ -275,3 +319,12 @@ def _bucketable(g: Group, cap_bytes: int) -> bool:
     """A persistent group whose gather can share a bucket this forward (see the module docstring)."""
     return (g.persistent and g.fp8 is None and g.allocated and g.comm.world_size > 1
             and g.pending_gather is None and g.stale and g.weights.nbytes < min(cap_bytes, SMALL_GATHER_BYTES))
+
+
+def _transient_bucketable(g: Group, cap_bytes: int) -> bool:
+    """A sharded (ZeRO-3) group of a unit about to gather whose gather can share a bucket: small,
+    not gathered already, main weights in compute memory (no CPU offload), no FP8 bytes and no
+    optimizer stepping it in backward (gather listeners)."""
+    return (not g.persistent and g.fp8 is None and g.allocated and g.comm.world_size > 1
+            and not g.main.offloaded and not g.grad_listeners and g.pending_gather is None
+            and not g.weights.is_unsharded and g.weights.nbytes < min(cap_bytes, SMALL_GATHER_BYTES))

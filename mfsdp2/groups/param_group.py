@@ -307,9 +307,14 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         if self.pending_gather is not None:  # rows coming in a cross-unit bucket (gather_buckets)
             h, self.pending_gather = self.pending_gather, None
             h.issue()
-            if not (self.agreed_stale or self.changed):
+            # Written again since its bucket was issued: announced (persistent weights), or any
+            # in-place write a version counter shows (sharded weights are read at every gather).
+            if not (self.agreed_stale or self.changed
+                    or (not self.persistent and self.main_version() != self.gathered_version)):
+                if not self.persistent:  # the rows land in the unit's own buffer: its block now
+                    self.weights.materialize(allocator, key)
                 return h
-            h.wait()  # written again since its bucket was issued (announced): gather afresh
+            h.wait()  # gather afresh
         self.begin_gather()
         # ``torch.no_grad()`` without the context object (what it does: the thread's grad mode
         # off, then back): every ZeRO-3 unit runs this per gather, and the object's set-up cost

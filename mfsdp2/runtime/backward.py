@@ -23,7 +23,7 @@ from .fsdp2_state import bind_runtime
 from .state import FSDPState, RootContext, TrainingState
 from . import grad_presence
 from ..memory.offload import settle_host_reads
-from .unshard import reshard, unshard_async, wait_unshard
+from .unshard import plan_bucketed_gathers, reshard, unshard_async, wait_unshard
 from .step_plan import plan_of
 
 __all__ = ["post_backward"]
@@ -90,6 +90,8 @@ def _pre_backward(state: FSDPState, need_weights: Optional[bool] = None) -> None
     if not ctx.callback_queued:
         ctx.callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))
+        with torch._C._DisableFuncTorch():
+            plan_bucketed_gathers(ctx, backward=True)
     state.training_state = TrainingState.PRE_BACKWARD
     prefetch = ctx.schedule.on_backward(state)
     if need_weights:
@@ -254,6 +256,7 @@ def _drain(ctx: RootContext, keep: int, keep_allreduce: Optional[int] = None) ->
 def _final_callback(ctx: RootContext) -> None:
     with trace_range("mfsdp2.final_callback"):
         try:
+            ctx.gathers.finish_backward()  # this backward's buckets: issued ones waited, the rest dropped
             stuck = [s.name for s in ctx.states if s.training_state is TrainingState.FORWARD]
             if stuck:
                 raise RuntimeError(

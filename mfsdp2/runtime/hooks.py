@@ -47,7 +47,7 @@ from .state import FSDPState, RootContext, ShardState, TrainingState, unit_state
 from . import step_guard
 from ..groups.weight_watch import agree_on_gathers
 from . import param_adoption
-from .unshard import reshard, unshard_async, wait_unshard
+from .unshard import plan_bucketed_gathers, reshard, unshard_async, wait_unshard
 from .step_plan import UnitPlan, plan_of
 from .backward import _ForwardPass, _PostBackward, _in_backward, _pre_backward, _pre_backward_hook
 
@@ -147,21 +147,10 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
                     "(or a previous backward raised before finishing)"
                 )
             ctx.schedule.begin_forward(grad)
-            # Main grads whose parameters all had their grads cleared (zero_grad(set_to_none=True))
-            # go back to the allocator: they take no memory through forward, as in FSDP2.
-            for s in ctx.states:
-                for g in s.groups:
-                    g.release_main_grad()
-            # A step begins: the trace-pool allocator keeps one plan per kind of step.
-            ctx.allocator.mark_step(("train" if grad else "eval", state.requires_gradient_sync))
-            _wait_post_optim_event(ctx)
-            for s in ctx.states:
-                if len(s.modules) > 1:  # only units of several modules track their forwards
-                    s.forward_to_run = {id(m) for m in s.modules}
-            agree_on_gathers(ctx)
-            # Stale small persistent groups gather in buckets across units (same cap as the
-            # gradient all-reduce buckets), planned from the recorded order and agreed flags.
-            ctx.gathers.start(ctx.schedule.recorded, ctx.buckets.cap_bytes, ctx.step)
+            # The runtime's own tensors (main gradients, gradient views, buckets) are changed
+            # here, outside any torch.func transform the forward runs under.
+            with torch._C._DisableFuncTorch():
+                _begin_step(ctx, state, grad)
         state.training_state = TrainingState.FORWARD
         prefetch = ctx.schedule.on_forward(state)
         unshard_async(state)
@@ -196,6 +185,27 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     if dtype is not None:
         args, kwargs = map_tensors(functools.partial(_cast, dtype=dtype), (args, kwargs))
     return args, kwargs
+
+
+def _begin_step(ctx: RootContext, root: FSDPState, grad: bool) -> None:
+    """What the root's forward does first: give back the main gradients nobody exposes, start
+    the allocator's step, agree on and start the bucketed gathers."""
+    # Main grads whose parameters all had their grads cleared (zero_grad(set_to_none=True))
+    # go back to the allocator: they take no memory through forward, as in FSDP2.
+    for s in ctx.states:
+        for g in s.groups:
+            g.release_main_grad()
+    # A step begins: the trace-pool allocator keeps one plan per kind of step.
+    ctx.allocator.mark_step(("train" if grad else "eval", root.requires_gradient_sync))
+    _wait_post_optim_event(ctx)
+    for s in ctx.states:
+        if len(s.modules) > 1:  # only units of several modules track their forwards
+            s.forward_to_run = {id(m) for m in s.modules}
+    agree_on_gathers(ctx)
+    # Stale small persistent groups gather in buckets across units (same cap as the gradient
+    # all-reduce buckets), planned from the recorded order and agreed flags; small ZeRO-3 groups
+    # too, under their own cap (set_all_gather_bucket_cap_mb).
+    plan_bucketed_gathers(ctx, backward=False)
 
 
 def _wait_post_optim_event(ctx: RootContext) -> None:

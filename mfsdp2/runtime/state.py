@@ -19,7 +19,7 @@ from ..memory.allocator import BucketAllocator
 from ..memory.trace_pool import make_allocator
 from ..comm.communicator import Communicator
 from .fsdp2_state import FSDP2StateNames
-from ..groups.gather_buckets import PersistentGathers
+from ..groups.gather_buckets import GatherBuckets
 from ..groups.grad_buckets import GradientBuckets
 from ..precision.mixed_precision import MixedPrecisionPolicy
 
@@ -185,8 +185,9 @@ class RootContext:
         # Full-gradient strategies' all-reduces, bucketed across units (grad_buckets.py); their
         # units never enter reduce_queue for those groups.
         self.buckets = GradientBuckets(allocator, root.name)
-        # Persistent weights' all-gathers, bucketed across units at each root forward (gather_buckets.py).
-        self.gathers = PersistentGathers(allocator, root.name)
+        # All-gathers bucketed across units: persistent weights at each root forward, small ZeRO-3
+        # units (when a cap is set) at the root forward and at each backward (gather_buckets.py).
+        self.gathers = GatherBuckets(allocator, root.name)
         self.step = 0
         # set_post_optim_event: the next root forward makes the current stream wait on it first.
         self.post_optim_event = None

@@ -84,6 +84,7 @@ EXPECTED = {
     "E46": (ValueError, "on one dimension: return Shard(d) or None"),
     "E47": (InvalidShardDimError, "which has 1 dims; return Shard(d) with -1 <= d < 1, or None"),
     "E48": (ValueError, "all-reduce bucket size must be >= 0 MiB"),
+    "E100": (ValueError, "all-gather bucket size must be >= 0 MiB"),
     "E49": (UnreducedGradientsError, "no backward reduced"),
     "E50": (RuntimeError, "are still on the meta device (the model was built under torch.device('meta')); "
                           "give them memory first"),
@@ -348,6 +349,7 @@ def _rows_ws1(rank, ws):
     net = _sharded_net(mesh)
     _capture(out, "E10", lambda: net.set_prefetch_depth(-1))
     _capture(out, "E48", lambda: net.set_all_reduce_bucket_cap_mb(-1))
+    _capture(out, "E100", lambda: net.set_all_gather_bucket_cap_mb(-1))
     _capture(out, "E11", lambda: net.set_modules_to_forward_prefetch([nn.Linear(2, 2)]))
 
     net = _sharded_net(mesh)
