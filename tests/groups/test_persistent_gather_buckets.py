@@ -180,8 +180,18 @@ def _reference():
     return losses, evals, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
+def check_against_reference(model, losses: list, evals: list, ref: tuple, where: str) -> None:
+    """The scripted run's losses, eval outputs and final weights against ``_reference()``'s."""
+    ref_losses, ref_evals, ref_params = ref
+    assert_losses_close(losses, ref_losses, where, REL_F64)
+    for i, (a, b) in enumerate(zip(evals, ref_evals)):
+        assert_close_rel(a, b, f"{where} eval {i}", REL_F64)
+    for k, p in model.named_parameters():
+        assert_close_rel(p.full_tensor(), ref_params[k], f"{where} {k}", REL_F64)
+
+
 def _parity_run(rank, ws, hsdp):
-    ref_losses, ref_evals, ref_params = _reference()
+    ref = _reference()
     if hsdp:  # persistent gathers over the shard group, gradients also across replicas
         mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
     else:
@@ -193,11 +203,7 @@ def _parity_run(rank, ws, hsdp):
         opt = make_opt("adamw", model.parameters())
         counts = []
         losses, evals = _train(model, opt, rank, ws, STEPS, counts=counts)
-        assert_losses_close(losses, ref_losses, where, REL_F64)
-        for i, (a, b) in enumerate(zip(evals, ref_evals)):
-            assert_close_rel(a, b, f"{where} eval {i}", REL_F64)
-        for k, p in model.named_parameters():
-            assert_close_rel(p.full_tensor(), ref_params[k], f"{where} {k}", REL_F64)
+        check_against_reference(model, losses, evals, ref, where)
         assert counts == EXPECTED_COUNTS, (where, counts)
     return True
 
@@ -294,26 +300,37 @@ class Tiny(nn.Module):
         return x
 
 
-def _tiny_counts(rank, ws, n, per_bucket):
+def sharded_tiny(ws: int, n: int, strategy: str) -> tuple:
+    """The tiny shape sharded at world size ``ws``: ``(model, one unit's gathered bytes)``."""
     mesh = init_device_mesh("cpu", (ws,))
     torch.manual_seed(0)
     model = Tiny(n)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, sharding_strategy="optim")
-    fully_shard(model, mesh=mesh, sharding_strategy="optim")
-    unit = model.layers[0]._mfsdp2_state.groups[0].weights.nbytes
-    model.set_all_reduce_bucket_cap_mb((per_bucket + 0.5) * unit / 2**20)
+        fully_shard(layer, mesh=mesh, sharding_strategy=strategy)
+    fully_shard(model, mesh=mesh, sharding_strategy=strategy)
+    return model, model.layers[0]._mfsdp2_state.groups[0].weights.nbytes
+
+
+def tiny_gather_counts(model, steps: int = 4) -> list[tuple[int, int]]:
+    """Train ``steps`` steps of the tiny shape; all-gathers issued in each (forward, backward)."""
     opt = make_opt("adamw", model.parameters())
     counts = []
-    for step in range(4):
+    for step in range(steps):
         x = batch(step, 4, 16)[0]
         before = comm_stats.all_gather_calls
         loss = model(x).sum()
-        counts.append(comm_stats.all_gather_calls - before)
+        mid = comm_stats.all_gather_calls
         loss.backward()
+        counts.append((mid - before, comm_stats.all_gather_calls - mid))
         opt.step()
         opt.zero_grad()
     return counts
+
+
+def _tiny_counts(rank, ws, n, per_bucket):
+    model, unit = sharded_tiny(ws, n, "optim")
+    model.set_all_reduce_bucket_cap_mb((per_bucket + 0.5) * unit / 2**20)
+    return [forward for forward, _ in tiny_gather_counts(model)]
 
 
 @pytest.mark.parametrize("per_bucket", [5, 64])
@@ -327,15 +344,17 @@ def test_tiny_model_gathers_in_buckets(per_bucket):
 
 
 # -- ZeRO-2 against torch FSDP2 (reshard_after_forward=False) ----------------------------------
-def _fsdp2_run(rank, ws):
+def compare_with_fsdp2(rank: int, ws: int, ours: dict, theirs: dict, configure) -> bool:
+    """Train the scripted order changes and skipped layer under mfsdp2 (``fully_shard`` keywords
+    ``ours``, then ``configure(root)``) and torch FSDP2 (``theirs``) in this process, in float64:
+    losses, parameters and gradients must agree at every step."""
     mesh = init_device_mesh("cpu", (ws,))
     n = GLOBAL_BATCH // ws
     snaps, losses = {}, {}
     for name, shard in runtimes().items():
-        kw = dict(sharding_strategy="optim_grads") if name == "mfsdp2" else dict(reshard_after_forward=False)
-        model = _shard(_build(), shard, mesh=mesh, **kw)
+        model = _shard(_build(), shard, mesh=mesh, **(ours if name == "mfsdp2" else theirs))
         if name == "mfsdp2":
-            model.set_all_reduce_bucket_cap_mb(_cap_mb(model))
+            configure(model)
         opt = make_opt("adamw", model.parameters())
         snaps[name], losses[name] = [], []
         for step in range(STEPS):  # layer 6 skipped at step 6, the order changed at step 4
@@ -350,9 +369,14 @@ def _fsdp2_run(rank, ws):
             opt.step()
             opt.zero_grad()
     assert_losses_close(losses["mfsdp2"], losses["fsdp2"], "vs FSDP2", REL_F64)
-    for step, (ours, theirs) in enumerate(zip(snaps["mfsdp2"], snaps["fsdp2"])):
-        assert_same_snapshots(ours, theirs, f"step {step} rank {rank}", REL_F64)
+    for step, (a, b) in enumerate(zip(snaps["mfsdp2"], snaps["fsdp2"])):
+        assert_same_snapshots(a, b, f"step {step} rank {rank}", REL_F64)
     return True
+
+
+def _fsdp2_run(rank, ws):
+    return compare_with_fsdp2(rank, ws, dict(sharding_strategy="optim_grads"), dict(reshard_after_forward=False),
+                              lambda m: m.set_all_reduce_bucket_cap_mb(_cap_mb(m)))
 
 
 def test_zero2_matches_fsdp2_without_reshard_after_forward():

@@ -39,9 +39,11 @@ from mfsdp2.comm.communicator import comm_stats
 
 from .._dist import run_ranks
 from .._slow_collectives import SlowCollectives
-from ..models import F64, REL_F64, assert_close_rel, assert_losses_close, batch, loss_fn, make_opt
-from ..fsdp2_compat import assert_same_snapshots, runtimes, snapshot
-from .test_persistent_gather_buckets import D, GLOBAL_BATCH, STEPS, _build, _cap_mb, _edit, _reference, _shard, _train
+from ..models import F64, batch, loss_fn, make_opt
+from .test_persistent_gather_buckets import (
+    D, GLOBAL_BATCH, STEPS, _build, _cap_mb, _reference, _train, check_against_reference, compare_with_fsdp2,
+    sharded_tiny, tiny_gather_counts,
+)
 
 ZERO3 = "optim_grads_params"
 
@@ -57,7 +59,6 @@ def _sharded(mesh, dtype=F64, cap: bool = True, allocator=None, **kw):
 
 
 def _check_parity(model, rank, ws, where, ref, slow=False):
-    ref_losses, ref_evals, ref_params = ref
     opt = make_opt("adamw", model.parameters())
     counts = []
     if slow:
@@ -66,11 +67,7 @@ def _check_parity(model, rank, ws, where, ref, slow=False):
         assert s.issued > 0 and s.waited_early > 0
     else:
         losses, evals = _train(model, opt, rank, ws, STEPS, counts=counts)
-    assert_losses_close(losses, ref_losses, where, REL_F64)
-    for i, (a, b) in enumerate(zip(evals, ref_evals)):
-        assert_close_rel(a, b, f"{where} eval {i}", REL_F64)
-    for k, p in model.named_parameters():
-        assert_close_rel(p.full_tensor(), ref_params[k], f"{where} {k}", REL_F64)
+    check_against_reference(model, losses, evals, ref, where)
     return counts
 
 
@@ -169,30 +166,8 @@ def test_bitwise_against_per_unit_gathers():
 
 # -- against torch FSDP2 -------------------------------------------------------------------------
 def _fsdp2_run(rank, ws):
-    """Bucketed ZeRO-3 and torch FSDP2 (its defaults: every unit gathers alone) in the same
-    process, on the scripted order changes and skipped unit: losses, parameters and gradients."""
-    mesh = init_device_mesh("cpu", (ws,))
-    n = GLOBAL_BATCH // ws
-    snaps, losses = {}, {}
-    for name, shard in runtimes().items():
-        model = _shard(_build(), shard, mesh=mesh)
-        if name == "mfsdp2":
-            model.set_all_gather_bucket_cap_mb(_cap_mb(model))
-        opt = make_opt("adamw", model.parameters())
-        snaps[name], losses[name] = [], []
-        for step in range(STEPS):  # layer 6 skipped at step 6, the order changed at step 4
-            _edit(model, step, eval_pass=False)
-            x, y = batch(step, GLOBAL_BATCH, D, dtype=F64)
-            loss = loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
-            loss.backward()
-            losses[name].append(loss.item())
-            snaps[name].append(snapshot(model))
-            opt.step()
-            opt.zero_grad()
-    assert_losses_close(losses["mfsdp2"], losses["fsdp2"], "vs FSDP2", REL_F64)
-    for step, (ours, theirs) in enumerate(zip(snaps["mfsdp2"], snaps["fsdp2"])):
-        assert_same_snapshots(ours, theirs, f"step {step} rank {rank}", REL_F64)
-    return True
+    """Bucketed ZeRO-3 against torch FSDP2's defaults (every unit gathers alone)."""
+    return compare_with_fsdp2(rank, ws, {}, {}, lambda m: m.set_all_gather_bucket_cap_mb(_cap_mb(m)))
 
 
 def test_matches_fsdp2():
@@ -241,37 +216,10 @@ def test_write_after_the_bucket_was_issued_is_gathered_afresh():
 
 
 # -- the tiny benchmark's shape: collective counts ---------------------------------------------
-class Tiny(nn.Module):
-    def __init__(self, n: int, d: int = 16):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
-
-
 def _tiny_counts(rank, ws, n, per_bucket):
-    mesh = init_device_mesh("cpu", (ws,))
-    torch.manual_seed(0)
-    model = Tiny(n)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, sharding_strategy=ZERO3)
-    fully_shard(model, mesh=mesh, sharding_strategy=ZERO3)
-    unit = model.layers[0]._mfsdp2_state.groups[0].weights.nbytes
+    model, unit = sharded_tiny(ws, n, ZERO3)
     model.set_all_gather_bucket_cap_mb((per_bucket + 0.5) * unit / 2**20)
-    opt = make_opt("adamw", model.parameters())
-    counts = []
-    for step in range(4):
-        x = batch(step, 4, 16)[0]
-        before = comm_stats.all_gather_calls
-        loss = model(x).sum()
-        mid = comm_stats.all_gather_calls
-        loss.backward()
-        counts.append((mid - before, comm_stats.all_gather_calls - mid))
-        opt.step()
-        opt.zero_grad()
+    counts = tiny_gather_counts(model)
     stats = model._mfsdp2_state.ctx.allocator.stats
     return counts, stats.peak_by_role.get("gather_bucket", 0), stats.live_by_role.get("gather_bucket", 0)
 
