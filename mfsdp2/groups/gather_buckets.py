@@ -152,7 +152,7 @@ class GatherBuckets:
 
     # -- plan ---------------------------------------------------------------------------------
     def start(self, order: list, cap_bytes: int, step: int, transient: Optional[set] = None,
-              persistent: bool = True, transient_cap_bytes: int = 0) -> None:
+              persistent: bool = True) -> None:
         """Plan buckets over the small groups of the units in ``order`` and issue the first ones.
 
         At the root's forward, after the agreement: ``order`` is the recorded forward order, the
@@ -161,12 +161,13 @@ class GatherBuckets:
         runtime from facts every rank shares). At a backward's start ``order`` is the reversed
         record, ``persistent`` is False and ``transient`` names the units whose backward will
         gather. Persistent groups are cut at ``cap_bytes``, sharded ones at
-        ``transient_cap_bytes`` (their gathered rows are memory a ZeRO-3 step would not hold
-        yet: a smaller cap)."""
+        :attr:`transient_cap_bytes` (their gathered rows are memory a ZeRO-3 step would not hold
+        yet: a cap of their own)."""
         if self._buckets:  # a forward that never ended, or a backward run inside a forward
             self.finish()
         self.backward_plan = not persistent
         transient = transient or set()
+        transient_cap_bytes = self.transient_cap_bytes
         if cap_bytes <= 0 and not transient:
             return
         lanes: dict = {}

@@ -307,10 +307,9 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         if self.pending_gather is not None:  # rows coming in a cross-unit bucket (gather_buckets)
             h, self.pending_gather = self.pending_gather, None
             h.issue()
-            # Written again since its bucket was issued: announced (persistent weights), or any
-            # in-place write a version counter shows (sharded weights are read at every gather).
-            if not (self.agreed_stale or self.changed
-                    or (not self.persistent and self.main_version() != self.gathered_version)):
+            # Written again since its bucket was issued (announced; for sharded weights, any
+            # in-place write a version counter shows): stale, with the handle taken.
+            if not self.stale:
                 if not self.persistent:  # the rows land in the unit's own buffer: its block now
                     self.weights.materialize(allocator, key)
                 return h

@@ -117,7 +117,9 @@ class WeightChanges:
         would decide differently and the ranks would issue different collectives. ZeRO-3 groups
         ask this only while gathered (kept across a step, or an in-flight ``unshard``). A group
         whose rows are still to come from a cross-unit bucket (:attr:`pending_gather`) counts as
-        stale too: its next ``unshard`` must hand out the bucket's handle, not skip the wait."""
+        stale too: its next ``unshard`` must hand out the bucket's handle, not skip the wait. A
+        group that :attr:`computes_on_main` is never stale: its module reads the main weights."""
         if self.persistent:
-            return self.agreed_stale or self.changed or self.pending_gather is not None
+            return ((self.agreed_stale or self.changed or self.pending_gather is not None)
+                    and not self.computes_on_main)
         return self.changed or self.main_version() != self.gathered_version

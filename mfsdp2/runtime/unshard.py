@@ -43,9 +43,7 @@ def nothing_to_gather(state: FSDPState) -> bool:
     if state.ctx is None or state.unsettled or state.subclass is not None:
         return False
     for g in state.groups:
-        if not g.persistent or g.grad_listeners or g.fp8 is not None:
-            return False
-        if g.stale and not g.computes_on_main:  # no_shard on main memory: the module reads the new values
+        if not g.persistent or g.stale or g.grad_listeners or g.fp8 is not None:
             return False
     return True
 
@@ -198,10 +196,10 @@ def plan_bucketed_gathers(ctx, backward: bool) -> None:
         units = {id(s) for s in order if _gathers_in_bucket(s, ctx) and s.unshard_in_backward
                  and (s.forward_with_grad or s.expect_backward) and not s.post_backward_done}
         if units:
-            gathers.start(order, 0, ctx.step, units, persistent=False, transient_cap_bytes=cap)
+            gathers.start(order, 0, ctx.step, units, persistent=False)
         return
     units = {id(s) for s in ctx.schedule.recorded if _gathers_in_bucket(s, ctx)} if cap > 0 else None
-    gathers.start(ctx.schedule.recorded, ctx.buckets.cap_bytes, ctx.step, units, transient_cap_bytes=cap)
+    gathers.start(ctx.schedule.recorded, ctx.buckets.cap_bytes, ctx.step, units)
 
 
 def _gathers_in_bucket(state: FSDPState, ctx) -> bool:
