@@ -21,8 +21,10 @@ import io
 import os
 import random
 import socket
+import sys
 import time
 import traceback
+import warnings
 from queue import Empty
 
 import torch
@@ -91,8 +93,16 @@ def _entry(rank, world_size, port, fn, args, queue):
     except BaseException:  # report any failure, including assertion errors, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
+        # ``put`` hands the bytes to a feeder thread: wait until they are in the pipe, so a crash
+        # in the teardown below cannot take a finished rank's result with it.
+        queue.close()
+        queue.join_thread()
         # gloo on torch 2.13 sometimes aborts at exit when a DeviceMesh is still referenced while
-        # the group is destroyed: drop every reference first (the helper's locals are gone by now).
+        # the group is destroyed: drop every reference first (the helper's locals are gone by now;
+        # mfsdp2's cached communicators hold their groups until the next default group).
+        registry = sys.modules.get("mfsdp2.comm.registry")
+        if registry is not None:
+            registry.clear_communicators()
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -165,6 +175,13 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     del store
     if errors:
         raise AssertionError("\n".join(errors))
+    crashed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)]
+    if crashed:
+        # Every rank delivered its whole result first (the ranks flush it before tearing down), so
+        # what the test checks is complete: a crash in gloo's process-group teardown is reported
+        # as a warning, not as a failure of the test.
+        warnings.warn(f"{getattr(fn, '__qualname__', fn)}: ranks exited abnormally after reporting their results "
+                      f"(rank, exit code): {crashed}", RuntimeWarning, stacklevel=2)
     return [results[r] for r in range(world_size)]
 
 

@@ -50,3 +50,28 @@ def test_a_rank_that_dies_without_a_result_fails_the_launch_at_once():
     with pytest.raises(AssertionError, match="rank 1 exited with code 3 without a result"):
         run_ranks(_rank1_dies, 2, timeout=120)
     assert time.monotonic() - t0 < 45
+
+
+def _crash_at_teardown(rank, ws):
+    """A rank whose work finished and whose process then aborts while tearing the group down
+    (as gloo sometimes does at exit), with a result large enough that the queue's feeder thread
+    is still writing it when ``put`` returns."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.destroy_process_group = os.abort  # what the rank's teardown calls next
+    return torch.full((4 << 20,), float(rank))
+
+
+def test_a_rank_that_crashes_after_its_result_still_delivers_it():
+    """The ranks flush their result into the pipe before the teardown, so a crash there keeps the
+    result the test checks; the launch reports the crash as a warning naming the ranks."""
+    import torch
+
+    from .._dist import run_ranks
+
+    with pytest.warns(RuntimeWarning, match=r"exited abnormally after reporting their results .*\(0, -6\), \(1, -6\)"):
+        out = run_ranks(_crash_at_teardown, 2, timeout=120)
+    assert [bool(torch.all(t == r)) for r, t in enumerate(out)] == [True, True]
