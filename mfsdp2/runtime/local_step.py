@@ -134,28 +134,38 @@ def _collect(opt) -> Optional[list]:
     """The replacements of this step, ``(params list, index, dtensor, local, state, originals)``
     each, or None when a parameter rules the local path out."""
     swap = []
+    state = opt.state
     for group in opt.param_groups:
         params = group["params"]
         for i, p in enumerate(params):
             if type(p) is not DTensor:
                 continue
-            if p.dim() == 0 or "_mfsdp2_original" not in p.__dict__:
+            if "_mfsdp2_original" not in p.__dict__ or p.dim() == 0:
                 return None  # a 0-d parameter, or not mfsdp2's (torch FSDP2's keeps torch's path)
             g = p.grad
             if g is None:
                 continue
-            if (type(g) is not DTensor or g.placements != p.placements or g.device_mesh != p.device_mesh
-                    or g._local_tensor.shape != p._local_tensor.shape):
+            # Specs and placements are read directly (each DTensor property is a call), and the
+            # identity tests settle the usual case: the gradient and the states were made with
+            # the parameter's spec, or its placements tuple, on its mesh object.
+            ps, loc = p._spec, p._local_tensor
+            shape, placements = loc.shape, ps.placements
+            if type(g) is not DTensor or g._local_tensor.shape != shape:
                 return None
-            st = opt.state.get(p)
+            gs = g._spec
+            if gs is not ps and ((gs.placements is not placements and gs.placements != placements)
+                                 or (gs.mesh is not ps.mesh and gs.mesh != ps.mesh)):
+                return None
+            st = state.get(p)
             originals = {}
             if st is not None:
                 for k, v in st.items():
                     if type(v) is DTensor:
-                        if v.placements != p.placements or v._local_tensor.shape != p._local_tensor.shape:
+                        vp = v._spec.placements
+                        if (vp is not placements and vp != placements) or v._local_tensor.shape != shape:
                             return None
                         originals[k] = v
-            swap.append((params, i, p, p._local_tensor, st, originals))
+            swap.append((params, i, p, loc, st, originals))
     return swap or None
 
 

@@ -269,3 +269,42 @@ def test_cases_that_keep_torchs_path_and_a_step_that_raises():
     assert out["scheduler_after"] == (2, []), out["scheduler_after"]
     assert out["same_state"]
 
+
+
+def _mismatches(rank, ws):
+    """What ``_collect`` decides for gradients and states made with another spec: an equal mesh
+    that is another object swaps; other placements (of a gradient, or of a state) keep torch's
+    path."""
+    import mfsdp2.runtime.local_step as local_step
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def respec(t, mesh, placements):
+        return DTensor.from_local(t._local_tensor, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+
+    mesh = init_device_mesh("cpu", (ws,))
+    model = _model("optim_grads_params", mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()  # torch's path: creates the state
+    model(torch.randn(4, 5)).sum().backward()
+    out = {"plain": local_step._collect(opt) is not None}
+    p = next(model.parameters())
+    g = p.grad
+    p.grad = respec(g, init_device_mesh("cpu", (ws,)), g.placements)  # equal mesh, another object
+    out["equal_mesh"] = local_step._collect(opt) is not None and p.grad.device_mesh is not p.device_mesh
+    p.grad = respec(g, mesh, [Replicate()])
+    out["grad_placements"] = local_step._collect(opt) is not None
+    p.grad = g
+    st = opt.state[p]
+    m = st["exp_avg"]
+    st["exp_avg"] = respec(m, mesh, [Replicate()])
+    out["state_placements"] = local_step._collect(opt) is not None
+    st["exp_avg"] = m
+    out["restored"] = local_step._collect(opt) is not None
+    return out
+
+
+def test_specs_that_rule_the_local_step_out():
+    out = run_ranks(_mismatches, 2)[0]
+    assert out == {"plain": True, "equal_mesh": True, "grad_placements": False, "state_placements": False,
+                   "restored": True}, out
