@@ -89,8 +89,11 @@ def device_ints(values, device: torch.device) -> torch.Tensor:
 # collectives, 256 KiB 2.3 vs 3.0 ms; from 1 MiB up the point-to-point exchange is faster).
 SMALL_REDUCE_SCATTER_BYTES = 256 * 1024
 
-# Gloo twins of device groups, by their ranks: created once per rank set (see Communicator.host).
+# Gloo twins of device groups, by their ranks: created once per rank set and default process
+# group (see Communicator.host). After ``destroy_process_group()`` and a new
+# ``init_process_group()`` the twins of the old one are destroyed groups, never handed out again.
 _host_groups: dict = {}
+_host_world: list = [None]  # the default group the twins were made under
 
 
 # Backends whose collectives on CUDA tensors are enqueued on the calling stream and return at once
@@ -238,6 +241,9 @@ class Communicator:
             return self
         if self._host is None:
             ranks = tuple(dist.get_process_group_ranks(self.group))
+            if _host_world[0] is not dist.group.WORLD:
+                _host_groups.clear()
+                _host_world[0] = dist.group.WORLD
             if ranks not in _host_groups:
                 _host_groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
             self._host = Communicator(_host_groups[ranks], torch.device("cpu"))

@@ -63,3 +63,28 @@ def test_reinit_gets_new_communicators_and_frees_the_old_groups():
     for first, second, holders in run_ranks(_reinit, 2):
         assert first == second
         assert holders == [], f"the destroyed default group is still held by {holders}"
+
+
+def _host_twins(rank: int, ws: int):
+    """The gloo twin a device group's communicator agrees on host facts over (``host()``; any
+    device but the CPU has one: the meta device stands in for CUDA here)."""
+    meta = torch.device("meta")
+
+    def host_sum() -> float:
+        host = registry.communicator_for(dist.group.WORLD, meta).host()
+        assert host.device.type == "cpu" and host.group is not dist.group.WORLD
+        t = torch.ones(1)
+        dist.all_reduce(t, group=host.group)
+        return t.item()
+
+    first = host_sum()
+    dist.destroy_process_group()
+    port = int(os.environ["MASTER_PORT"])
+    dist.init_process_group("gloo", store=dist.PrefixStore("again", client_store(port)), rank=rank, world_size=ws)
+    return first, host_sum()
+
+
+def test_reinit_gets_new_host_twins():
+    """A twin of a destroyed default group's ranks is not handed out again: the new group's
+    communicator makes its own."""
+    assert run_ranks(_host_twins, 2) == [(2.0, 2.0)] * 2
