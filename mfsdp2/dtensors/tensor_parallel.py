@@ -22,6 +22,7 @@ bug.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -197,6 +198,11 @@ def tp_dp_mesh(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh:
         _meshes[key] = DeviceMesh.from_group(
             [tp_mesh.get_group(), dp_mesh.get_group()], tp_mesh.device_type, mesh=grid, mesh_dim_names=(tn, dn)
         )
+        # Keyed by the objects' ids, so the entry goes when either mesh does: a later mesh that
+        # reuses an id (after a re-initialised process group, say) must not find this one's
+        # groups; and the cache keeps no destroyed group alive.
+        for m in (tp_mesh, dp_mesh):
+            weakref.finalize(m, _meshes.pop, key, None)
     return _meshes[key]
 
 
