@@ -59,6 +59,7 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..base.markers import reads_no_params
 from ..comm.communicator import device_ints
 
 __all__ = ["agree_on_gathers", "fingerprint", "fingerprints", "watch", "WatchMode", "watch_mode",
@@ -199,7 +200,7 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
 
 # Reads nothing of the optimizer: it may run while a step's parameters are swapped for their
 # local tensors (mfsdp2.runtime.local_step).
-_on_optimizer_step.mfsdp2_reads_no_params = True
+reads_no_params(_on_optimizer_step)
 
 
 def watch(group) -> None:

@@ -76,6 +76,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
+from ..base.markers import reads_no_params
+
 __all__ = [
     "MainMemory", "main_memory_for", "copy_from_main", "copy_to_main", "settle_host_reads", "nonblocking",
     "wait_copy", "hold", "release_held", "StreamOps", "set_stream_ops", "CopyDirection", "MAX_HELD",
@@ -304,4 +306,4 @@ def _settle_before_step(*_) -> None:
 
 
 # Reads nothing of the optimizer (see mfsdp2.runtime.local_step).
-_settle_before_step.mfsdp2_reads_no_params = True
+reads_no_params(_settle_before_step)

@@ -45,6 +45,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from ..base.markers import ORIGINAL_PARAM, marked_reads_no_params
 from ..dtensors.placement import wrap_local
 
 __all__ = ["ELEMENTWISE", "install", "steps_taken"]
@@ -97,10 +98,10 @@ def _eligible(opt, args, kwargs) -> bool:
 
 def _blind_after(table: dict, ids: list, after: int) -> bool:
     """Whether every hook of ``table`` after ``after`` in ``ids`` is one of mfsdp2's that reads
-    nothing of the optimizer (``mfsdp2_reads_no_params``)."""
+    nothing of the optimizer (:func:`~mfsdp2.base.markers.reads_no_params`)."""
     seen = False
     for k in ids:
-        if seen and not getattr(table[k], "mfsdp2_reads_no_params", False):
+        if seen and not marked_reads_no_params(table[k]):
             return False
         seen = seen or k == after
     return seen
@@ -140,7 +141,7 @@ def _collect(opt) -> Optional[list]:
         for i, p in enumerate(params):
             if type(p) is not DTensor:
                 continue
-            if "_mfsdp2_original" not in p.__dict__ or p.dim() == 0:
+            if ORIGINAL_PARAM not in p.__dict__ or p.dim() == 0:
                 return None  # a 0-d parameter, or not mfsdp2's (torch FSDP2's keeps torch's path)
             g = p.grad
             if g is None:

@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..base.markers import ORIGINAL_PARAM
 from ..base import plan_epoch
 from ..groups.param_group import ParameterGroup, live_groups, mark_empty_pieces, swap_param
 from .shared_params import OWNER_ATTR, original_of
@@ -207,9 +208,9 @@ def adopt_replaced(state) -> None:
                 raise _replacement_refused(state, info.fqn, "different objects in the modules that share it",
                                            "a shared parameter is replaced in all its modules at once, by one object")
             _check_replacement(state, g, i, info.fqn, new)
-            original = getattr(dp, "_mfsdp2_original", None)
+            original = getattr(dp, ORIGINAL_PARAM, None)
             if original is not None:
-                new._mfsdp2_original = original  # shared_params finds the tie through it
+                setattr(new, ORIGINAL_PARAM, original)  # shared_params finds the tie through it
             g.dist_params[i] = new
             for o in owners:
                 o.owner._parameters[o.attr] = new

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate
 
+from ..base.markers import ORIGINAL_PARAM
 from ..base import plan_epoch
 from ..groups.param_group import ParamInfo, ParameterGroup, mark_empty_pieces
 from .state import FSDPState
@@ -37,7 +38,7 @@ def mark_owned(state: "FSDPState", originals: list[list[nn.Parameter]]) -> None:
     for g, params in zip(state.groups, originals):
         for p, dp in zip(params, g.dist_params):
             setattr(p, OWNER_ATTR, (state, g))
-            dp._mfsdp2_original = weakref.ref(p)
+            setattr(dp, ORIGINAL_PARAM, weakref.ref(p))
 
 
 def _path_in(parent: nn.Module, child: nn.Module):
@@ -48,7 +49,7 @@ def _path_in(parent: nn.Module, child: nn.Module):
 
 
 def original_of(dp):
-    ref = getattr(dp, "_mfsdp2_original", None)  # a weakref: never keeps a full-size original alive
+    ref = getattr(dp, ORIGINAL_PARAM, None)  # a weakref: never keeps a full-size original alive
     return ref() if ref is not None else None
 
 
@@ -106,7 +107,7 @@ def _rebuild_without(state: "FSDPState", g: "ParameterGroup", idx: int) -> None:
         tp_specs=[g.tp_specs[j] for j in keep], shard_dims=[g.layout.slots[j].shard_dim for j in keep],
     )
     for j, dp in zip(keep, new.dist_params):
-        dp._mfsdp2_original = getattr(g.dist_params[j], "_mfsdp2_original", None)
+        setattr(dp, ORIGINAL_PARAM, getattr(g.dist_params[j], ORIGINAL_PARAM, None))
         orig = original_of(dp)
         if orig is not None:
             setattr(orig, OWNER_ATTR, (state, new))
