@@ -182,9 +182,14 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
             [tuple(p.shape) for p in params], comm.world_size, align=max(16 // itemsize, 1), dims=shard_dims
         )
 
-        self.persistent = not config.strategy.shards_params
         # Main and model weights may share memory: same dtype, and the main state not offloaded.
         self._shares_main = self.main_dtype == self.compute_dtype and not self.main.offloaded
+        # Persistent: the full buffer stays between steps. Sharded strategies on a shard group of
+        # one rank keep it too when it can be the main weights themselves (nothing to gather:
+        # each gather would copy the rank's whole shard into a second full-size buffer), unless
+        # FP8 gathers quantise it.
+        self.persistent = not config.strategy.shards_params or (
+            comm.world_size == 1 and self._shares_main and not config.fp8)
         # main -> model copy into a persistent buffer's slice; ZeRO-3 copies (and casts) inside each gather instead
         self._needs_cast = not self._shares_main and self.persistent
         # Built under torch.device("meta"): the layout needs shapes only. Like torch FSDP2, the

@@ -67,10 +67,11 @@ class WeightChanges:
     @property
     def computes_on_main(self) -> bool:
         """The module computes with the main weights' own memory: persistent weights in the main
-        dtype, not offloaded, on a shard group of one rank (``no_shard``), where the full buffer
-        *is* the main weights. A gather of such a group has nothing to copy, cast or collect, so
-        a change of its weights (a step, a load, a write through ``.data``) needs no re-gather:
-        the module reads the new values where they were written."""
+        dtype, not offloaded, on a shard group of one rank (``no_shard``; any strategy at a shard
+        group size of one), where the full buffer *is* the main weights. A gather of such a
+        group has nothing to copy, cast or collect, so a change of its weights (a step, a load,
+        a write through ``.data``) needs no re-gather: the module reads the new values where
+        they were written."""
         return self.persistent and self._shares_main and self.comm.world_size == 1
 
     @property

@@ -200,8 +200,10 @@ def _failed_gather(rank, ws, fp8=False, swap=True):
     mesh = init_device_mesh("cpu", (ws,))
     # FP8: the block's float8 group carries its bf16 group (norm, biases) in one all-gather
     # into an "fp8" block; neither group's weight block is taken before that gather ends.
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather_dtype=torch.float8_e4m3fn) if fp8 else None
-    model = _model(mesh, **({"mp_policy": mp} if fp8 else {}))
+    # Otherwise bfloat16 compute: at one rank, float32 units compute with their main weights and
+    # gather nothing.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather_dtype=torch.float8_e4m3fn if fp8 else None)
+    model = _model(mesh, mp_policy=mp)
     x = torch.randn(2, 12)
     model(x).sum().backward()
     ctx = model._mfsdp2_state.ctx

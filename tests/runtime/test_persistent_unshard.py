@@ -11,7 +11,9 @@ steps) unshard without the gather machinery (``mfsdp2.runtime.unshard.nothing_to
   nothing): two registrations per group and step instead of four, the sharded parameters back
   on the module after backward and after a grad-disabled forward, ``state_dict()`` in between
   unchanged, training bit-identical to resharding after forward.
-* ZeRO-3 units keep the general path: each gathers in forward and in backward.
+* ZeRO-3 units keep the general path: each gathers in forward and in backward -- except on a
+  shard group of one rank in the compute dtype, where the one shard is the whole parameter and
+  the unit computes with it (as FSDP2 trains, bit for bit).
 * The losses and parameters equal those of the same model trained with the fast path turned
   off, bit for bit (the fast path skips work that issues nothing).
 """
@@ -184,3 +186,57 @@ def test_zero3_units_reshard_after_forward():
     (k, _) = run_ranks(_registrations, 2, "optim_grads_params", True)
     # The layers are resharded after forward; only the root keeps its gathered (empty) state.
     assert k["between"] == {True}, k["between"]
+
+
+# -- a shard group of one rank ------------------------------------------------------------------
+def _one_rank(rank: int, ws: int, param_dtype) -> dict:
+    """ZeRO-3 at world size 1 next to torch FSDP2's, same model and data: losses and parameters,
+    and how often the units gather."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from mfsdp2 import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (ws,))
+    out = {}
+    for impl in ("mfsdp2", "fsdp2"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(UNITS)])
+        if impl == "mfsdp2":
+            shard, mp = fully_shard, MixedPrecisionPolicy(param_dtype=param_dtype)
+        else:
+            shard, mp = torch_fully_shard, TorchMP(param_dtype=param_dtype)
+        for layer in model:
+            shard(layer, mesh=mesh, mp_policy=mp)
+        shard(model, mesh=mesh, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        calls, orig = _count_calls(ParameterGroup, "unshard")
+        losses = []
+        try:
+            for i in range(4):
+                loss = model(torch.randn(4, 16, generator=torch.Generator().manual_seed(i))).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        finally:
+            ParameterGroup.unshard = orig
+        out[impl] = {"losses": losses, "gathers": calls[0],
+                     "params": {n: p.full_tensor() for n, p in model.named_parameters()}}
+    return out
+
+
+def test_zero3_at_one_rank_computes_with_the_main_weights():
+    """At world size 1 a ZeRO-3 unit's only shard is its whole parameter: in the compute dtype
+    (no mixed precision, no offload) the module computes with the main weights and gathers
+    nothing -- no second full-size copy, as no_shard -- and trains bit for bit as FSDP2, whose
+    units copy their shard into an all-gather buffer in forward and again in backward. With
+    bfloat16 compute the units still gather (cast) their weights."""
+    out = run_ranks(_one_rank, 1, torch.float32)[0]
+    assert out["mfsdp2"]["gathers"] == 0, out["mfsdp2"]["gathers"]
+    assert out["mfsdp2"]["losses"] == out["fsdp2"]["losses"]
+    for n, v in out["fsdp2"]["params"].items():
+        assert torch.equal(out["mfsdp2"]["params"][n], v), n
+    bf16 = run_ranks(_one_rank, 1, torch.bfloat16)[0]
+    assert bf16["mfsdp2"]["gathers"] >= 4 * 2 * UNITS, bf16["mfsdp2"]["gathers"]
+    assert bf16["mfsdp2"]["losses"] == bf16["fsdp2"]["losses"]

@@ -24,8 +24,9 @@ from mfsdp2.base import profiling
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-# One ZeRO-3 training step at world size 1 on the CPU, in a fresh interpreter where ``nvtx``
-# cannot be imported and torch.cuda.nvtx records instead of calling libnvtx.
+# One ZeRO-3 training step at world size 1 on the CPU (bfloat16 compute, so the units gather), in
+# a fresh interpreter where ``nvtx`` cannot be imported and torch.cuda.nvtx records instead of
+# calling libnvtx.
 _SCRIPT = r"""
 import json, os, sys
 sys.modules["nvtx"] = None  # `import nvtx` raises ImportError, as on a machine without it
@@ -37,12 +38,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
 dist.init_process_group("gloo")
-from mfsdp2 import fully_shard
+from mfsdp2 import MixedPrecisionPolicy, fully_shard
 from mfsdp2.base import profiling
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
 mesh = init_device_mesh("cpu", (1,))
-fully_shard(model[0], mesh=mesh)
-fully_shard(model, mesh=mesh)
+mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # gathers (casts) at one rank too
+fully_shard(model[0], mesh=mesh, mp_policy=mp)
+fully_shard(model, mesh=mesh, mp_policy=mp)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
     model(torch.randn(2, 4)).sum().backward()
 events = sorted({e.name for e in prof.events() if e.name.startswith("mfsdp2.")})
