@@ -255,21 +255,32 @@ def plan_units(
     return plans
 
 
+def keeps_full_weights(g: GroupPlan, strategy: ShardingStrategy, offloaded: bool) -> bool:
+    """Whether group ``g`` keeps its full weights for the whole run instead of gathering them
+    (``ParameterGroup.persistent``): the unsharded strategies, and a sharded one on a shard
+    group of one rank whose main weights are its compute weights (same dtype, not offloaded, no
+    FP8 gather), where the one shard is the whole parameter."""
+    if not strategy.shards_params:
+        return True
+    return g.world == 1 and g.main_dtype == g.compute_dtype and not offloaded and g.fp8 is None
+
+
 def persistent_bytes(plans: Iterable[UnitPlan], strategy: ShardingStrategy, offloaded: bool, rank: int,
                      optimizer: OptimizerSpec, step_on_device: bool) -> dict[str, int]:
     """Exact per-rank bytes of what lives for the whole run, by kind, split device / host.
 
-    ``model_weights``: the full weights persistent strategies keep (ZeRO-1/2, no_shard), in the
-    compute dtype; ``main_weights``: the shard the optimizer updates (none extra where it is the
-    persistent buffer's own slice); ``main_grads``: each group's main gradient (shard-size, or
-    full-size for ZeRO-1 / no_shard) -- live from the first reduction to the next root forward;
+    ``model_weights``: the full weights persistent groups keep (ZeRO-1/2, no_shard; see
+    :func:`keeps_full_weights`), in the compute dtype; ``main_weights``: the shard the
+    optimizer updates (none extra where it is the persistent buffer's own slice);
+    ``main_grads``: each group's main gradient (shard-size, or full-size for ZeRO-1 /
+    no_shard) -- live from the first reduction to the next root forward;
     ``optimizer_states``: the states over this rank's rows (plus 4-byte step tensors)."""
     out = dict.fromkeys(("model_weights", "main_weights", "main_grads", "optimizer_states",
                          "host_main_weights", "host_main_grads", "host_optimizer_states"), 0)
-    persistent = not strategy.shards_params
     for u in plans:
         for g in u.groups:
             shares = g.main_dtype == g.compute_dtype and not offloaded
+            persistent = keeps_full_weights(g, strategy, offloaded)
             if persistent:
                 out["model_weights"] += g.total * _itemsize(g.compute_dtype)
             if not (persistent and shares):

@@ -42,7 +42,7 @@ import torch
 
 from ..base.strategy import ShardingStrategy
 from .held import META, held_bytes, replay_allocator
-from .plan import UnitPlan, _itemsize
+from .plan import UnitPlan, _itemsize, keeps_full_weights
 from .trace import Mark
 
 __all__ = ["StepConfig", "Point", "ReplayedStep", "simulate", "transient_at_peak", "default_marks"]
@@ -152,13 +152,15 @@ class _Sim:
             self.points.append(p)
 
     # -- weights ------------------------------------------------------------------------------
-    def _gathers(self, u: int) -> bool:
-        return self.cfg.strategy.shards_params and bool(self.plans[u].groups)
+    def _gathered(self, u: int) -> list:
+        """The unit's groups that gather (the others keep their full weights)."""
+        return [g for g in self.plans[u].groups
+                if not keeps_full_weights(g, self.cfg.strategy, self.cfg.offloaded)]
 
     def unshard(self, u: int) -> None:
-        if self.unsharded[u] or not self._gathers(u):
+        if self.unsharded[u] or not self._gathered(u):
             return
-        for g in self.plans[u].groups:
+        for g in self._gathered(u):
             if self.cfg.storage_swap:
                 self.alloc(("weight", u, g.index), g.total, g.compute_dtype)
             else:  # torch's memory: counted as live, never cached, pooled or planned
@@ -182,7 +184,7 @@ class _Sim:
                 self._drop_kept(u)
             return
         self.wait(u)
-        for g in self.plans[u].groups:
+        for g in self._gathered(u):
             self.free(("weight", u, g.index))
         self.unsharded[u] = False
         if to_group:
