@@ -201,52 +201,73 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm decoder block: attention then SwiGLU, each with a residual."""
+    """Pre-norm decoder block: attention then a feed-forward, each with a residual.
+
+    The feed-forward is SwiGLU, registered as ``ffn``; a subclass gives another one
+    (:meth:`make_ffn`) under its own name (``ffn_name``: the parameters' names, which sharding
+    plans and checkpoints use), e.g. a mixture of experts."""
+
+    ffn_name = "ffn"
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.add_module(self.ffn_name, self.make_ffn(cfg))
+
+    def make_ffn(self, cfg: LlamaConfig) -> nn.Module:
+        return FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attn(self.attn_norm(x))
-        return h + self.ffn(self.ffn_norm(h))
+        return h + self._modules[self.ffn_name](self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
-    """Llama-style decoder: ``forward(tokens[B, S]) -> logits[B, S, vocab]``."""
+    """Llama-style decoder: ``forward(tokens[B, S]) -> logits[B, S, vocab]``.
+
+    ``block_cls``: the decoder block each layer is (a subclass swaps it, e.g. for mixtures of
+    experts, and keeps the embedding, norm, head and forward)."""
+
+    block_cls: type = TransformerBlock
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.block_cls(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.init_weights()
+
+    #: the residual-stream output projections, by the end of their module names
+    residual_outputs: tuple = ("attn.wo", "ffn.w2")
 
     def init_weights(self) -> None:
         """Deterministic (given ``torch.manual_seed``) GPT-style normal init.
 
         Embedding and all linears ~ N(0, 0.02); the residual-stream output
-        projections (``attn.wo`` and ``ffn.w2``) are scaled by ``1/sqrt(2*n_layers)``;
+        projections (``residual_outputs``) are scaled by ``1/sqrt(2*n_layers)``;
         norm weights are ones.  Parameters are visited in registration order.
         """
         std = 0.02
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         with torch.no_grad():
             for name, module in self.named_modules():
-                if isinstance(module, RMSNorm):
-                    module.reset_parameters()
-                elif isinstance(module, nn.Embedding):
-                    nn.init.normal_(module.weight, mean=0.0, std=std)
-                elif isinstance(module, nn.Linear):
-                    s = out_std if name.endswith(("attn.wo", "ffn.w2")) else std
-                    nn.init.normal_(module.weight, mean=0.0, std=s)
-                    if module.bias is not None:
-                        nn.init.zeros_(module.bias)
+                self.init_module(name, module, std, out_std)
+
+    def init_module(self, name: str, module: nn.Module, std: float, out_std: float) -> None:
+        """One module's share of :meth:`init_weights` (a subclass adds its own kinds)."""
+        if isinstance(module, RMSNorm):
+            module.reset_parameters()
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Linear):
+            s = out_std if name.endswith(self.residual_outputs) else std
+            nn.init.normal_(module.weight, mean=0.0, std=s)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[-1] > self.cfg.max_seq_len:

@@ -26,7 +26,6 @@ experts).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from .llama import Attention, FeedForward, LlamaConfig, RMSNorm
+from .llama import FeedForward, LlamaConfig, Transformer, TransformerBlock
 
 __all__ = [
     "MoEConfig",
@@ -192,54 +191,30 @@ class MoE(nn.Module):
         return out.view(bsz, seq, dim)
 
 
-class MoEBlock(nn.Module):
-    """Pre-norm decoder block: attention, then the mixture of experts."""
+class MoEBlock(TransformerBlock):
+    """Pre-norm decoder block: attention, then the mixture of experts (``moe``)."""
 
-    def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.moe = MoE(cfg)
+    ffn_name = "moe"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x))
-        return h + self.moe(self.ffn_norm(h))
+    def make_ffn(self, cfg: MoEConfig) -> nn.Module:
+        return MoE(cfg)
 
 
-class MoETransformer(nn.Module):
+class MoETransformer(Transformer):
     """MoE decoder: ``forward(tokens[B, S]) -> logits[B, S, vocab]`` (``layers``: MoE blocks)."""
 
-    def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.init_weights()
+    block_cls = MoEBlock
 
-    def init_weights(self) -> None:
-        """Deterministic (given ``torch.manual_seed``) normal init, std 0.02; residual outputs
-        (``attn.wo``, ``w2`` of every expert) scaled by ``1/sqrt(2 n_layers)``; norms ones."""
-        std = 0.02
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        with torch.no_grad():
-            for name, module in self.named_modules():
-                if isinstance(module, RMSNorm):
-                    module.reset_parameters()
-                elif isinstance(module, (nn.Embedding, nn.Linear)):
-                    s = out_std if name.endswith(("attn.wo", "shared.w2")) else std
-                    nn.init.normal_(module.weight, mean=0.0, std=s)
-                elif isinstance(module, GroupedExperts):
-                    for pname, p in module.named_parameters(recurse=False):
-                        nn.init.normal_(p, mean=0.0, std=out_std if pname == "w2" else std)
+    residual_outputs = ("attn.wo", "shared.w2")
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))
+    def init_module(self, name: str, module: nn.Module, std: float, out_std: float) -> None:
+        """As the dense decoder's, and each routed expert's weights ~ N(0, 0.02), its ``w2``
+        (a residual output) scaled by ``1/sqrt(2 n_layers)``."""
+        if isinstance(module, GroupedExperts):
+            for pname, p in module.named_parameters(recurse=False):
+                nn.init.normal_(p, mean=0.0, std=out_std if pname == "w2" else std)
+        else:
+            super().init_module(name, module, std, out_std)
 
 
 def parallelize_experts(model: nn.Module, ep_mesh) -> None:
