@@ -70,6 +70,15 @@ class ShardingStrategy(enum.Enum):
         """The optimizer sees only this rank's rows (every strategy but ``no_shard``)."""
         return self is not ShardingStrategy.NO_SHARD
 
+    def keeps_full_weights(self, shard_world: int, shares_main: bool, fp8: bool) -> bool:
+        """Whether a group keeps its full model weights between steps (persistent) instead of
+        gathering them for each use: the strategies that do not shard parameters, and ZeRO-3 on
+        a shard group of one rank whose main weights are its compute weights (``shares_main``:
+        same dtype, not offloaded) and that no FP8 gather quantises -- there the one shard is
+        the whole parameter, and a gather would only copy it into a second full-size buffer.
+        The runtime's groups and the memory estimate both decide by this."""
+        return not self.shards_params or (shard_world == 1 and shares_main and not fp8)
+
 
 @dataclass(frozen=True)
 class Topology:

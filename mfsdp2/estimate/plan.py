@@ -256,13 +256,9 @@ def plan_units(
 
 
 def keeps_full_weights(g: GroupPlan, strategy: ShardingStrategy, offloaded: bool) -> bool:
-    """Whether group ``g`` keeps its full weights for the whole run instead of gathering them
-    (``ParameterGroup.persistent``): the unsharded strategies, and a sharded one on a shard
-    group of one rank whose main weights are its compute weights (same dtype, not offloaded, no
-    FP8 gather), where the one shard is the whole parameter."""
-    if not strategy.shards_params:
-        return True
-    return g.world == 1 and g.main_dtype == g.compute_dtype and not offloaded and g.fp8 is None
+    """Whether group ``g`` keeps its full weights for the whole run instead of gathering them,
+    as the runtime's group decides (:meth:`ShardingStrategy.keeps_full_weights`)."""
+    return strategy.keeps_full_weights(g.world, g.main_dtype == g.compute_dtype and not offloaded, g.fp8 is not None)
 
 
 def persistent_bytes(plans: Iterable[UnitPlan], strategy: ShardingStrategy, offloaded: bool, rank: int,

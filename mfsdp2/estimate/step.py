@@ -158,9 +158,10 @@ class _Sim:
                 if not keeps_full_weights(g, self.cfg.strategy, self.cfg.offloaded)]
 
     def unshard(self, u: int) -> None:
-        if self.unsharded[u] or not self._gathered(u):
+        gathered = self._gathered(u)
+        if self.unsharded[u] or not gathered:
             return
-        for g in self._gathered(u):
+        for g in gathered:
             if self.cfg.storage_swap:
                 self.alloc(("weight", u, g.index), g.total, g.compute_dtype)
             else:  # torch's memory: counted as live, never cached, pooled or planned

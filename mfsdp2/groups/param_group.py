@@ -184,12 +184,15 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
 
         # Main and model weights may share memory: same dtype, and the main state not offloaded.
         self._shares_main = self.main_dtype == self.compute_dtype and not self.main.offloaded
-        # Persistent: the full buffer stays between steps. Sharded strategies on a shard group of
-        # one rank keep it too when it can be the main weights themselves (nothing to gather:
-        # each gather would copy the rank's whole shard into a second full-size buffer), unless
-        # FP8 gathers quantise it.
-        self.persistent = not config.strategy.shards_params or (
-            comm.world_size == 1 and self._shares_main and not config.fp8)
+        # Persistent: the full buffer stays between steps (ShardingStrategy.keeps_full_weights).
+        self.persistent = config.strategy.keeps_full_weights(comm.world_size, self._shares_main, bool(config.fp8))
+        # The module computes with the main weights' own memory: a persistent buffer in the main
+        # dtype on a shard group of one rank *is* the main weights. A gather of such a group has
+        # nothing to copy, cast or collect, so a change of its weights (a step, a load, a write
+        # through ``.data``) needs no re-gather: the module reads the new values where they were
+        # written (WeightChanges.stale, fingerprinted). Fixed for the group's life, and read on
+        # every unshard: an attribute, not a property.
+        self.computes_on_main = self.persistent and self._shares_main and comm.world_size == 1
         # main -> model copy into a persistent buffer's slice; ZeRO-3 copies (and casts) inside each gather instead
         self._needs_cast = not self._shares_main and self.persistent
         # Built under torch.device("meta"): the layout needs shapes only. Like torch FSDP2, the

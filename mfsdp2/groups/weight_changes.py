@@ -65,16 +65,6 @@ class WeightChanges:
         return (fingerprint(self.main_weight) != self._gathered_fp).any().to(device=one.device, dtype=one.dtype)
 
     @property
-    def computes_on_main(self) -> bool:
-        """The module computes with the main weights' own memory: persistent weights in the main
-        dtype, not offloaded, on a shard group of one rank (``no_shard``; any strategy at a shard
-        group size of one), where the full buffer *is* the main weights. A gather of such a
-        group has nothing to copy, cast or collect, so a change of its weights (a step, a load,
-        a write through ``.data``) needs no re-gather: the module reads the new values where
-        they were written."""
-        return self.persistent and self._shares_main and self.comm.world_size == 1
-
-    @property
     def fingerprinted(self) -> bool:
         """Persistent weights whose content may be compared at a root forward (a write through
         ``.data`` bumps no counter). Not when the module computes with the main weights' own
@@ -119,7 +109,8 @@ class WeightChanges:
         ask this only while gathered (kept across a step, or an in-flight ``unshard``). A group
         whose rows are still to come from a cross-unit bucket (:attr:`pending_gather`) counts as
         stale too: its next ``unshard`` must hand out the bucket's handle, not skip the wait. A
-        group that :attr:`computes_on_main` is never stale: its module reads the main weights."""
+        group that ``computes_on_main`` (see :class:`ParameterGroup`) is never stale: its module
+        reads the main weights."""
         if self.persistent:
             return ((self.agreed_stale or self.changed or self.pending_gather is not None)
                     and not self.computes_on_main)
