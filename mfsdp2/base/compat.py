@@ -20,6 +20,9 @@ our CUDA test machine has torch 2.11). Two things differ:
   running torch (a registered strategy or rule, or 2.13's decomposition path);
   :mod:`mfsdp2.dtensors.dtensor_ops` runs the element-wise ones it cannot on the local pieces of our
   parameters.
+* ``torch._C._storage_Use_Count``: how many holders a storage has (tensors over it, Python
+  storage objects). :func:`storage_use_count` returns None where torch lacks it, and the caller
+  then takes the path that needs no count.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ __all__ = [
     "reduce_scatter_single",
     "all_gather_name",
     "reduce_scatter_name",
+    "storage_use_count",
 ]
 
 #: Whether buffers re-point their storage at allocator blocks (else: ``resize_``, see buffer.py).
@@ -43,6 +47,13 @@ __all__ = [
 HAS_STORAGE_SWAP: bool = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and os.environ.get(
     "MFSDP2_NO_STORAGE_SWAP", "0"
 ) != "1"
+
+
+def storage_use_count(storage: torch.UntypedStorage):
+    """The number of holders of ``storage``'s C++ object (every tensor over it and every Python
+    storage object, ``storage`` itself included), or None where this torch cannot say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count(storage._cdata) if count is not None else None
 
 
 def all_gather_name() -> str:

@@ -73,7 +73,9 @@ class GradViews:
         if self.flat and n != self.geom_numel:
             self.geom = [None] * len(self.geom)
             self.geom_numel = n
-        key = (mg.untyped_storage()._cdata, mg.data_ptr(), mg.dtype, n)
+        # The storage object and the offset into it, not the address: a storage its owner emptied
+        # and refilled in place (``resize_``) has new memory that every view of it follows.
+        key = (mg.untyped_storage()._cdata, mg.storage_offset(), mg.dtype, n)
         if key == self.key:
             return
         if self.key is not None or (self.stale and mg.dtype != self.dtype):
@@ -140,6 +142,22 @@ class GradViews:
                     self.made[i] = None
                     self.base[i] = None
         self.key = None
+
+    def held_only_here(self) -> Optional[int]:
+        """How many cached DTensors view the current main gradient, when nobody but this cache
+        holds any of them (the same test as :meth:`detach`'s); None when somebody does. The main
+        gradient's owner may then empty its storage in place and refill it later
+        (:meth:`MainGradient.release_main_grad
+        <mfsdp2.groups.main_grad.MainGradient.release_main_grad>`): these DTensors stay valid
+        over the refilled memory, and nobody can read them while it is empty."""
+        n = 0
+        for i in range(len(self.made)):  # no local name for a DTensor here: _refs must count as in get
+            if self.made[i] is None or i in self.stale:
+                continue
+            if _refs(self.made, i) != self.base[i]:
+                return None
+            n += 1
+        return n
 
     def cached(self, i: int) -> Optional[torch.Tensor]:
         return self.made[i]

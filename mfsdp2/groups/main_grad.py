@@ -16,11 +16,13 @@ base of :class:`~mfsdp2.groups.grad_reduction.GradientReduction`.
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..base.compat import storage_use_count
 from ..memory.allocator import BucketAllocator, BufferRole
 from ..memory.offload import copy_to_main, release_held
 from .grad_mode import no_grad
@@ -55,14 +57,19 @@ class MainGradient:
             if self._main_grad_host is None:
                 self._main_grad_host = self.main.empty(n, self.grad_dtype)
             block = self._main_grad_host
+            main = None
         else:
             self._main_grad_alloc = allocator
-            block = allocator.allocate(self._main_grad_key(), n, self.grad_dtype, self.device)
+            refilled = self._refill_main_grad(allocator, n)
+            if refilled is not None:
+                block, main = refilled
+            else:
+                block, main = allocator.allocate(self._main_grad_key(), n, self.grad_dtype, self.device), None
         if zero:
             block.zero_()
         if self.full_grads:
             self.main_grad_full = block
-            self.main_grad = self.weights.local_slice(block)
+            self.main_grad = main if main is not None else self.weights.local_slice(block)
         else:
             self.main_grad = block
         # Views of an earlier main gradient are stale now. A gradient the user assigned (before
@@ -79,7 +86,78 @@ class MainGradient:
             return
         if any(dp.grad is not None for dp in self.dist_params):
             return  # grads kept (zero_grad(set_to_none=False) or accumulation across steps)
-        self.drop_main_grad()
+        if not self._empty_main_grad():
+            self.drop_main_grad()
+
+    def _empty_main_grad(self) -> bool:
+        """Give the main gradient's memory back by emptying its storage in place (``resize_(0)``),
+        keeping the block, its slice and the gradient DTensors over it for the next backward,
+        which refills the same storage (:meth:`_refill_main_grad`). True when it did (or when the
+        allocator turned out to keep the block: then it was dropped as :meth:`drop_main_grad`
+        drops it); False, with nothing changed, where it may not.
+
+        Why: dropping the block and allocating a new one each step means emptying every cached
+        gradient DTensor and re-pointing it at the new block (``set_``), slicing the new block
+        and the allocator's bookkeeping: about half of a small unit's host time in the steady
+        state. Emptying the storage gives torch the same bytes at the same moment, and the
+        refill takes them back where the allocation would have.
+
+        Only where nothing else can see the storage meanwhile: the allocator serves the block as
+        a tensor of its own and hands it straight back to torch (not a pool's or a bucket's slice,
+        not an offloaded host block, no memory tool observing it), no cached gradient DTensor is
+        held by anybody else (the user kept ``p.grad`` past ``zero_grad``), and no other tensor
+        shares the storage (a view or ``detach()`` of a gradient somebody kept): a tensor over
+        an emptied storage would read freed memory. The storage's holders are counted by torch
+        (:func:`~mfsdp2.base.compat.storage_use_count`); where it cannot count, the block is
+        dropped as before."""
+        alloc, views = self._main_grad_alloc, self._grad_views
+        if alloc is None or self._main_grad_bucket is not None or views is None or alloc.observers:
+            return False
+        block = self.main_grad_full if self.full_grads else self.main_grad
+        key = self._main_grad_key()
+        if block.device.type == "meta" or block.storage_offset() != 0 or not alloc.standalone(key, block):
+            return False
+        held = views.held_only_here()
+        if held is None:
+            return False
+        storage = block.untyped_storage()
+        # Its holders are all ours: the block, the main gradient's slice of it (full-gradient
+        # strategies), the cached DTensors' local tensors, and ``storage`` itself.
+        ours = 2 + (self.main_grad is not block) + held
+        if storage.nbytes() != block.nbytes or storage_use_count(storage) != ours:
+            return False
+        before = sys.getrefcount(block)
+        alloc.free(key)
+        kept = sys.getrefcount(block) != before - 1  # the allocator holds it after all (a subclass's cache)
+        main = self.main_grad
+        self.main_grad = self.main_grad_full = None
+        self._main_grad_alloc = None
+        if kept:
+            views.detach()
+            return True
+        storage.resize_(0)
+        self._emptied_main_grad = (alloc, block, main)
+        return True
+
+    def _refill_main_grad(self, allocator: BucketAllocator, n: int) -> Optional[tuple]:
+        """``(block, main_grad)`` of the main gradient :meth:`_empty_main_grad` emptied, its
+        storage refilled from torch and the block live in ``allocator`` again; None (the emptied
+        one forgotten) where it no longer fits: another allocator or size or dtype, a memory tool
+        observing, or a storage somebody resized meanwhile."""
+        emptied, self._emptied_main_grad = self._emptied_main_grad, None
+        if emptied is None:
+            return None
+        alloc, block, main = emptied
+        key = self._main_grad_key()
+        if (alloc is not allocator or allocator.observers or block.numel() != n or block.dtype != self.grad_dtype
+                or block.device != self.device or allocator.is_live(key) or not allocator.standalone(key, block)):
+            return None
+        storage = block.untyped_storage()
+        if storage.nbytes() != 0:
+            return None
+        storage.resize_(block.nbytes)
+        allocator.readmit(key, block)
+        return block, main
 
     def drop_main_grad(self) -> Optional[BucketAllocator]:
         """Give the main gradient back -- to the allocator, or to the bucket whose slice it is --

@@ -229,6 +229,9 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         self._main_grad_alloc: Optional[BucketAllocator] = None
         self._main_grad_bucket = None  # (buckets, bucket) when main_grad_full is a bucket's slice (grad_buckets)
         self._main_grad_host: Optional[torch.Tensor] = None  # CPU offload: the main grad's host memory
+        # (allocator, block, main_grad) of a main gradient whose storage was emptied in place at
+        # the last release, refilled by the next backward (MainGradient._empty_main_grad).
+        self._emptied_main_grad: Optional[tuple] = None
         self.copy_outs = 0  # CPU offload: reductions copied out into the main grad (tests)
         self.dist_params: list[nn.Parameter] = []
         self._row_shards: dict[int, RowShard] = {}  # as_dtensor's placements, built once

@@ -205,6 +205,27 @@ class BucketAllocator:
         self.stats._add(key, t.nbytes, +1)
         return t
 
+    def standalone(self, key: Hashable, block: torch.Tensor) -> bool:
+        """Whether ``block``, served under ``key``, is a tensor of its own that :meth:`free` hands
+        straight back to torch (nothing of it is cached or pooled here). Its owner may then give
+        the memory back by emptying the block's storage in place (``resize_(0)``) after
+        :meth:`free`, and take it again with ``resize_`` and :meth:`readmit`: the same bytes go
+        back to torch and come from torch as a ``free`` and an ``allocate`` would move them, while
+        every tensor over that storage (views, gradient DTensors) stays valid. A subclass that
+        keeps freed blocks another way must be caught by the owner, which checks that ``free``
+        dropped the allocator's last reference to the block."""
+        return False
+
+    def readmit(self, key: Hashable, block: torch.Tensor) -> None:
+        """``block`` (see :meth:`standalone`), whose storage its owner refilled from torch, is live
+        again under ``key``: recorded and counted as :meth:`allocate` records and counts it."""
+        if key in self._live:
+            raise RuntimeError(f"mfsdp2 E20: allocator: buffer {key!r} is already live; "
+                               "free it before allocating it again")
+        self._live[key] = block
+        self.stats.underlying_allocations += 1
+        self.stats._add(key, block.nbytes, +1)
+
     def account(self, key: Hashable, nbytes: int) -> None:
         """Count a live buffer that this allocator does not serve: gathered weights on a torch
         without storage swapping take their bytes from torch's own allocator (``storage.resize_``,
@@ -292,6 +313,9 @@ class DynamicAllocator(BucketAllocator):
     def _obtain(self, key, numel, dtype, device):
         self.stats.underlying_allocations += 1
         return torch.empty(numel, dtype=dtype, device=device)
+
+    def standalone(self, key: Hashable, block: torch.Tensor) -> bool:
+        return True
 
 
 class _Demand:
@@ -392,6 +416,10 @@ class CachingAllocator(BucketAllocator):
             return t
         self.stats.underlying_allocations += 1
         return torch.empty(numel, dtype=dtype, device=device)
+
+    def standalone(self, key: Hashable, block: torch.Tensor) -> bool:
+        # What _release gives back at once; a block taken from the cache is a tensor of its own too.
+        return role_of(key) in EXACT_ROLES or not self.keeps(block.device, block.nbytes)
 
     def _release(self, key, tensor):
         nbytes = tensor.nbytes

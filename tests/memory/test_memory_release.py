@@ -140,18 +140,24 @@ def _release(rank, ws, allocator, optimizer="torch"):
     opt = (torch.optim.AdamW if optimizer == "torch" else mfsdp2.optim.AdamW)(model.parameters(), lr=1e-3)
     if allocator != "trace_pool":
         model.allocator  # the property lazily initialises the units before the first forward
-    seen = {"idle_in_forward": [], "main_grads_in_forward": [], "idle_after_forward": []}
+    seen = {"idle_in_forward": [], "main_grads_in_forward": [], "idle_after_forward": [],
+            "last_main_grad_bytes_in_forward": []}
+    refs = []
 
     def in_forward(mod, args, out):
         a = model.allocator
         seen["idle_in_forward"].append(a.idle_bytes())
         seen["main_grads_in_forward"].append(a.stats.live_by_role.get("main_grad", 0))
+        # The last backward's main gradient memory, whoever still views it: freed (the storage is
+        # gone, or emptied in place for the next backward to refill), or kept by its holder.
+        last = refs[-1]() if refs else None
+        seen["last_main_grad_bytes_in_forward"].append(last.nbytes() if last is not None else 0)
 
     model.blocks[B - 1].register_forward_hook(in_forward)
     g = torch.Generator().manual_seed(rank)
     first = model.blocks[0]._mfsdp2_state.groups[0]
     p0 = next(model.blocks[0].parameters())
-    refs, grad_ids, kept_values = [], [], None
+    grad_ids, kept_values = [], None
     user_grad = None
     for step in range(5):
         x = torch.randn(4, D, generator=g)
@@ -169,6 +175,7 @@ def _release(rank, ws, allocator, optimizer="torch"):
     gc.collect()
     out = dict(seen)
     out["main_grad_blocks_alive"] = [r() is not None for r in refs]
+    out["main_grad_bytes"] = first.main_grad.untyped_storage().nbytes()
     out["grad_ids"] = grad_ids
     out["user_grad_intact"] = bool(torch.equal(user_grad._local_tensor, kept_values))
     out["user_grad_is_current"] = user_grad is p0.grad
@@ -196,9 +203,16 @@ def test_training_step_holds_nothing_idle_where_activations_are_allocated(alloca
             # The forward's pool is held until the forward ends (after the last unit's forward,
             # with prefetch -- planned from step 3 on -- it has two weight slots, both free now).
             assert r["idle_in_forward"][0] == 0 and r["idle_in_forward"][3:] == [2 * r["weight_bytes"]] * 2, r
-        # Every step's main gradient was freed at the next forward (the last one is still in use),
-        # but the one whose gradient the user kept (step 2).
-        assert r["main_grad_blocks_alive"] == [False, False, True, False, True], r
+        # Every step's main gradient memory went back at the next forward, but the one whose
+        # gradient the user kept (step 2): emptied in place (the same storage, refilled by the
+        # next backward) where nobody else views it, else freed.
+        assert r["last_main_grad_bytes_in_forward"] == [0, 0, 0, r["main_grad_bytes"], 0], r
+        if allocator == "caching":
+            # Steps 0, 1 (one storage, emptied and refilled) and 2 (kept by the user) alive, then
+            # a new block for step 3, emptied and refilled for step 4, the one in use.
+            assert r["main_grad_blocks_alive"] == [True, True, True, True, True], r
+        else:  # a pool's slices are freed
+            assert r["main_grad_blocks_alive"] == [False, False, True, False, True], r
         # The gradient DTensors were re-pointed, not rebuilt -- except after the step whose
         # gradient the user kept: that one keeps its values, and a new one is made.
         ids = r["grad_ids"]

@@ -1,0 +1,155 @@
+"""A main gradient released at the next forward has its storage emptied in place and refilled by
+the next backward, when nothing else can see it (``MainGradient._empty_main_grad``). These tests
+fail if that path were taken where it must not be, or changed a result:
+
+* the path is taken in the steady state (the storage is empty through forward, the gradient
+  DTensors are the same objects step after step), and training is bit-identical to dropping and
+  reallocating the main gradient each step (the path disabled), at world sizes 1 and 2, for
+  no_shard, ZeRO-1 and ZeRO-3;
+* a gradient the user kept past ``zero_grad`` -- the DTensor itself, or only an alias of its
+  memory (``detach()``, ``to_local()``, a slice), which no Python reference count shows -- keeps
+  its values through the next steps;
+* an allocator that keeps freed blocks in a cache of its own (a subclass overriding
+  ``_release``) never gets an emptied block back into that cache.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from mfsdp2 import fully_shard
+from mfsdp2.groups.main_grad import MainGradient
+from mfsdp2.memory.allocator import CachingAllocator
+
+from .._dist import run_ranks
+
+D, H, B, STEPS = 16, 32, 3, 4
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # Equal blocks: their groups' main gradients are of one size class.
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, D)) for _ in range(B))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class _KeepEverything(CachingAllocator):
+    """Caches every freed block, main gradients included, and hands them out again by size."""
+
+    def keeps(self, device, nbytes):
+        return True
+
+    def _release(self, key, tensor):
+        self._free[(tensor.numel(), tensor.dtype, tensor.device)].append(tensor)
+        self._cached += tensor.numel() * tensor.element_size()
+
+    def release_idle(self, next_phase="forward"):
+        pass
+
+
+def _alias(g, hold: str):
+    if hold == "dtensor":
+        return g
+    if hold == "detach":
+        return g.detach()._local_tensor
+    if hold == "to_local":
+        return g.to_local()
+    return g._local_tensor[1:]
+
+
+def _train(rank, ws, strategy, emptied, hold, allocator=None):
+    if not emptied:  # the reference: drop the main gradient and allocate a new one each step
+        MainGradient._empty_main_grad = lambda self: False
+    torch.manual_seed(0)
+    model = _Stack().double()
+    mesh = init_device_mesh("cpu", (ws,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, sharding_strategy=strategy)
+    fully_shard(model, mesh=mesh, sharding_strategy=strategy,
+                allocator=_KeepEverything() if allocator == "keep" else "caching")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(rank)
+    group = model.blocks[0]._mfsdp2_state.groups[0]
+    p0 = next(model.blocks[0].parameters())
+    out = defaultdict(list)
+    held = None
+
+    def in_forward(mod, args, output):
+        mg = group._emptied_main_grad
+        out["emptied_bytes_in_forward"].append(mg[1].untyped_storage().nbytes() if mg is not None else None)
+        if allocator == "keep":  # no block the allocator caches may have an emptied storage
+            out["cached_blocks_whole"].append(all(t.untyped_storage().nbytes() == t.nbytes
+                                                  for ts in model.allocator._free.values() for t in ts))
+
+    model.blocks[0].register_forward_hook(in_forward)
+    for step in range(STEPS):
+        loss = model(torch.randn(8, D, dtype=torch.float64, generator=gen)).square().mean()
+        loss.backward()
+        out["losses"].append(loss.item())
+        out["grad_ids"].append(id(p0.grad))
+        if step == 1 and hold is not None:
+            # The user keeps the gradient past zero_grad: the DTensor, or only an alias of its memory.
+            held = _alias(p0.grad, hold)  # no other name for the DTensor stays behind
+            out["held_values"] = held.full_tensor().clone() if hold == "dtensor" else held.clone()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["grads"] = [p.grad for p in model.parameters()]  # None after zero_grad: the step's values below
+    out["params"] = [p.full_tensor() for p in model.parameters()]
+    if held is not None:
+        now = held.full_tensor() if hold == "dtensor" else held
+        out["held_intact"] = bool(torch.equal(now, out["held_values"]))
+    return dict(out)
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
+def test_emptied_main_gradients_train_bit_identically(ws, strategy):
+    got = run_ranks(_train, ws, strategy, True, None)
+    want = run_ranks(_train, ws, strategy, False, None)
+    for g, w in zip(got, want):
+        assert g["losses"] == w["losses"]
+        for a, b in zip(g["params"], w["params"]):
+            assert torch.equal(a, b)
+    ids = got[0]["grad_ids"]
+    if got[0]["emptied_bytes_in_forward"][1:] == [0] * (STEPS - 1):
+        # Taken: the storage is empty through every later forward, the DTensors are kept.
+        assert len(set(ids)) == 1, ids
+    else:
+        # Not taken: only where the main gradient is a bucket's slice (the full-gradient
+        # strategies' shared all-reduce at two ranks).
+        assert ws == 2 and strategy in ("no_shard", "optim"), got[0]["emptied_bytes_in_forward"]
+        assert got[0]["emptied_bytes_in_forward"] == [None] * STEPS
+
+
+def test_the_path_is_taken_at_one_rank_and_for_zero3():
+    for ws, strategy in ((1, "no_shard"), (1, "optim_grads_params"), (2, "optim_grads_params")):
+        r = run_ranks(_train, ws, strategy, True, None)[0]
+        assert r["emptied_bytes_in_forward"] == [None] + [0] * (STEPS - 1), (ws, strategy, r)
+
+
+@pytest.mark.parametrize("hold", ["dtensor", "detach", "to_local", "slice"])
+def test_a_gradient_kept_past_zero_grad_keeps_its_values(hold):
+    r = run_ranks(_train, 1, "no_shard", True, hold)[0]
+    assert r["held_intact"], hold
+    # The step after the user took it found it held: dropped and reallocated, not emptied.
+    assert r["emptied_bytes_in_forward"][2] is None, r["emptied_bytes_in_forward"]
+    want = run_ranks(_train, 1, "no_shard", False, hold)[0]
+    assert r["losses"] == want["losses"]
+
+
+def test_an_allocator_caching_every_block_never_caches_an_emptied_one():
+    got = run_ranks(_train, 1, "no_shard", True, None, "keep")[0]
+    assert all(got["cached_blocks_whole"]), got["cached_blocks_whole"]
+    assert got["emptied_bytes_in_forward"] == [None] * STEPS  # the allocator held them: dropped
+    want = run_ranks(_train, 1, "no_shard", False, None, "keep")[0]
+    assert got["losses"] == want["losses"]
