@@ -354,6 +354,13 @@ class Communicator:
             return self.world_size * shard_numel  # every rank's chunk, this rank's own included
         return 0
 
+    @property
+    def reduces_alone(self) -> bool:
+        """Whether a reduce-scatter over this group is the identity (a group of one rank): then
+        :meth:`reduce_scatter` takes its input as its output (``out is inp``) and copies nothing,
+        so a caller may pack the input where the result belongs."""
+        return self.world_size == 1
+
     def reduce_scatter(
         self,
         out: torch.Tensor,
@@ -370,6 +377,10 @@ class Communicator:
         receives the other ranks' chunks on the gloo point-to-point and all-to-all paths; it must
         stay untouched until ``wait()``. On gloo with SUM / AVG every element is summed in rank
         order at every size and world size (at two ranks either order is the same float)."""
+        if out is inp and self.reduces_alone:  # the identity: nothing to copy
+            comm_stats.reduce_scatter_calls += 1
+            comm_stats.reduce_scatter_bytes += inp.numel() * inp.element_size()
+            return _DONE
         if tensors_overlap(out, inp):
             raise RuntimeError(
                 "mfsdp2 E19: reduce_scatter output overlaps its input: a collective that writes into the buffer "

@@ -57,6 +57,11 @@ class CustomCommunicator:
         fn = self.custom_all_gather
         return self._issue(self.base.ag_stream, lambda a: fn(out, inp, self.base.group, async_op=a), label)
 
+    @property
+    def reduces_alone(self) -> bool:
+        # The user's reduce-scatter is called at every reduction, one rank or not (as FSDP2 calls it).
+        return self.custom_reduce_scatter is None and self.base.reduces_alone
+
     def reduce_scatter_scratch_numel(self, shard_numel: int, op=dist.ReduceOp.AVG, itemsize: int = 4) -> int:
         if self.custom_reduce_scatter is None:
             return self.base.reduce_scatter_scratch_numel(shard_numel, op, itemsize)

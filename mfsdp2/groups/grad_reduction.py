@@ -338,6 +338,11 @@ class GradientReduction(MainGradient):
             elif self.all_reduces_full and direct:
                 self._ensure_main_grad(allocator, zero=False)
                 full = self.main_grad_full
+            elif direct and self.weights.comm.reduces_alone:
+                # A reduce-scatter over one rank is the identity: pack where the result belongs
+                # (ZeRO-2/3 on a shard group of one rank), no flat buffer and no copy out of it.
+                self._ensure_main_grad(allocator, zero=False)
+                full = self.main_grad
             else:
                 full = allocator.allocate((BufferRole.GRAD, key), layout.total_numel, self.reduce_dtype, self.device)
             has_grad = self._pack(full, plan)

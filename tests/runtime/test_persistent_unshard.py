@@ -223,17 +223,24 @@ def _one_rank(rank: int, ws: int, param_dtype) -> dict:
             ParameterGroup.unshard = orig
         out[impl] = {"losses": losses, "gathers": calls[0],
                      "params": {n: p.full_tensor() for n, p in model.named_parameters()}}
+        if impl == "mfsdp2":  # flat gradient buffers ever taken (a one-rank reduce-scatter needs none)
+            out[impl]["grad_buffers_peak"] = model.allocator.stats.peak_by_role.get("grad", 0)
     return out
 
 
 def test_zero3_at_one_rank_computes_with_the_main_weights():
     """At world size 1 a ZeRO-3 unit's only shard is its whole parameter: in the compute dtype
     (no mixed precision, no offload) the module computes with the main weights and gathers
-    nothing -- no second full-size copy, as no_shard -- and trains bit for bit as FSDP2, whose
-    units copy their shard into an all-gather buffer in forward and again in backward. With
+    nothing -- no second full-size copy, as no_shard --, packs its gradients straight into the
+    main gradient, and trains bit for bit as FSDP2, whose units copy their shard into an
+    all-gather buffer in forward and again in backward, and their gradients out of a
+    reduce-scatter buffer. With
     bfloat16 compute the units still gather (cast) their weights."""
     out = run_ranks(_one_rank, 1, torch.float32)[0]
     assert out["mfsdp2"]["gathers"] == 0, out["mfsdp2"]["gathers"]
+    # Its reduce-scatter over one rank is the identity: the gradients are packed straight into
+    # the main gradient, with no flat buffer to copy them out of.
+    assert out["mfsdp2"]["grad_buffers_peak"] == 0, out["mfsdp2"]["grad_buffers_peak"]
     assert out["mfsdp2"]["losses"] == out["fsdp2"]["losses"]
     for n, v in out["fsdp2"]["params"].items():
         assert torch.equal(out["mfsdp2"]["params"][n], v), n
