@@ -52,7 +52,7 @@ class ReduceStage(enum.Enum):
     REPLICAS = "replicas"  # the all-reduce across replicas (HSDP), or a bucket's shared all-reduce
 
 
-@dataclass
+@dataclass(slots=True)
 class PendingReduction:
     """A group's reduction between its issue and its landing in the main gradient: what to wait
     for, where the result is, and what to do with it. One per group at a time."""

@@ -31,6 +31,7 @@ holding the tensor adds one), which this relies on.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -49,7 +50,7 @@ def _refs(made: list, i: int) -> tuple[int, int]:
 class GradViews:
     """Parameter ``i``'s gradient DTensor over its rows of one main gradient (see module docstring)."""
 
-    __slots__ = ("key", "made", "base", "stale", "geom", "geom_numel", "dtype", "flat")
+    __slots__ = ("key", "made", "base", "stale", "geom", "geom_numel", "dtype", "flat", "followed")
 
     def __init__(self, n: int) -> None:
         self.key = None  # the main gradient's memory the DTensors view; None: none (detached)
@@ -62,11 +63,19 @@ class GradViews:
         self.geom_numel: Optional[int] = None
         self.dtype: Optional[torch.dtype] = None  # the dtype of the local tensors made
         self.flat = False  # whether the main gradient followed is flat and contiguous
+        # The main gradient tensor last followed (weakly: the cache must not keep it alive). The
+        # same object again, with the key still set, is the same memory and geometry: every
+        # exposure of a main gradient kept (or emptied and refilled) across steps asks.
+        self.followed: Optional[weakref.ref] = None
 
     def follow(self, mg: torch.Tensor) -> None:
         """The main gradient about to be exposed is ``mg``: DTensors of another live one are dropped
         (new ones are made), detached ones are re-pointed as they are used -- unless its dtype
         differs from theirs (a local tensor's dtype is fixed)."""
+        followed = self.followed
+        if followed is not None and self.key is not None and followed() is mg:
+            return
+        self.followed = weakref.ref(mg)
         # The geometry applies to a flat contiguous main gradient of the length it was read from.
         n = mg.numel()
         self.flat = mg.dim() == 1 and mg.stride(0) == 1

@@ -274,6 +274,8 @@ def hold(owner: Any, event: Any, device: torch.device, release: Callable[[], Non
 def release_held(owner: Any = None, host_waited: bool = False) -> None:
     """Release what ``owner`` holds (None: everything). ``host_waited``: the host synchronized
     the copies already (the end of backward), no stream needs to wait."""
+    if not _held:  # the common case (nothing offloaded): every reduction asks
+        return
     keep = [h for h in _held if owner is not None and h[0] is not owner]
     done = [h for h in _held if owner is None or h[0] is owner]
     _held.clear()
