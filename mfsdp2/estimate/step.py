@@ -271,9 +271,10 @@ class _Sim:
             if self._bucketed(g):
                 self.reserve(u, g)
             else:
-                if self.cfg.strategy is ShardingStrategy.NO_SHARD and self.cfg.replicate_world == 1 \
-                        and self._direct(g) and (u, g.index) not in self.main_grad:
-                    self.ensure_main_grad(u, g)  # one rank: the main gradient is the buffer itself
+                if g.world == 1 and self._direct(g) and (u, g.index) not in self.main_grad:
+                    # A shard group of one rank: the main gradient is the buffer itself (no_shard,
+                    # ZeRO-1: the all-reduce's; ZeRO-2/3: a reduce-scatter over one rank is the identity).
+                    self.ensure_main_grad(u, g)
                     out = False
                 else:
                     self.alloc(("grad", u, g.index), g.total, g.reduce_dtype)

@@ -33,16 +33,23 @@ Memory: the first reduction after ``zero_grad(set_to_none=True)`` of a group in 
 *direct*: the group's full-size main gradient becomes its slice of the bucket (no copy), and the
 block is given back when every member has released its main gradient (at the root's next
 forward). Other members (gradients kept from earlier backwards, a bf16 reduce into fp32 main
-grads) add their reduced slice into their own main gradient and stop holding the block.
+grads) add their reduced slice into their own main gradient and stop holding the block. A planned
+bucket whose members all let go of their slices *in place* (keeping the slices and their gradient
+DTensors, none held by anyone else) is emptied in place instead (``resize_(0)``) when nothing but
+those tensors views it, and the next backward's bucket at the same plan position with the same
+members refills the same block: the members take their slices back, their ``.grad`` DTensors
+valid as they were (see :mod:`mfsdp2.groups.main_grad` for why).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Optional
 
 import torch
 
+from ..base.compat import storage_use_count
 from ..memory.allocator import BucketAllocator, BufferRole
 from ..comm.communicator import CommHandle, comm_stats
 from ..base.profiling import trace_range
@@ -60,7 +67,7 @@ class Bucket:
     """One block of the allocator holding several groups' flat gradients, all-reduced at once."""
 
     __slots__ = ("lane", "index", "alloc_key", "block", "comm", "op", "members", "offsets", "used",
-                 "capacity", "handle", "holders", "completed", "planned_size", "last_label")
+                 "capacity", "handle", "holders", "completed", "planned_size", "last_label", "in_place")
 
     def __init__(self, lane: "_Lane", index: Optional[int], comm, op, capacity: int):
         self.lane = lane
@@ -78,6 +85,9 @@ class Bucket:
         self.holders: set = set()  # groups whose reduction is pending in it or whose main grad is its slice
         self.completed = False
         self.last_label = ""  # the label of the member packed last
+        # Members that let go of their slice in place (group -> tensors over the block it keeps):
+        # see GradientBuckets._empty.
+        self.in_place: dict = {}
 
     @property
     def label(self) -> str:
@@ -98,7 +108,7 @@ class Bucket:
 class _Lane:
     """Groups that can share one collective: the record of this backward, the plan from the last."""
 
-    __slots__ = ("key", "name", "record", "plan", "pos", "diverged", "open", "serial")
+    __slots__ = ("key", "name", "record", "plan", "pos", "diverged", "open", "serial", "emptied")
 
     def __init__(self, key: tuple, name: str):
         self.key = key
@@ -109,6 +119,9 @@ class _Lane:
         self.diverged = False
         self.open: Optional[Bucket] = None
         self.serial = 0
+        # plan position -> (block, allocator key, members): blocks emptied in place at the
+        # forward, refilled by this backward's bucket at that position if it has those members.
+        self.emptied: dict = {}
 
 
 class BucketMemberHandle:
@@ -208,6 +221,8 @@ class GradientBuckets:
 
     def _allocate(self, bucket: Bucket, numel: int, dtype, device) -> None:
         lane = bucket.lane
+        if bucket.index is not None and self._refill(bucket, numel, dtype, device):
+            return
         base = (BufferRole.GRAD_BUCKET, self.root_name, lane.name,
                 bucket.index if bucket.index is not None else "single")
         k = 0
@@ -271,6 +286,7 @@ class GradientBuckets:
     def end_backward(self) -> None:
         """The root's final callback: the lanes' records become the next plans."""
         for lane in self._lanes.values():
+            lane.emptied.clear()  # what this backward did not refill will not be (empty blocks)
             if lane.record:
                 lane.plan = _plan(lane.record, self.cap_bytes // _itemsize(lane.key))
             lane.record = []
@@ -279,10 +295,14 @@ class GradientBuckets:
             lane.open = None
 
     # -- block lifetime -----------------------------------------------------------------------
-    def release(self, bucket: Bucket, group: Group) -> None:
+    def release(self, bucket: Bucket, group: Group, in_place: Optional[int] = None) -> None:
         """``group`` no longer uses its slice (reduction finished without keeping it, or its main
-        gradient was released); the block goes back when nobody does."""
+        gradient was released); the block goes back when nobody does. ``in_place``: the group
+        keeps its slice and this many tensors over the block's storage, for the block to be
+        emptied in place and refilled (:meth:`_empty`)."""
         bucket.holders.discard(group)
+        if in_place is not None:
+            bucket.in_place[group] = in_place
         self._maybe_free(bucket)
 
     def _maybe_free(self, bucket: Bucket) -> None:
@@ -290,9 +310,68 @@ class GradientBuckets:
             return
         if bucket.issued and not bucket.completed and not bucket.handle.settle():
             return  # still running: its completion frees it (or abort leaks it)
+        block = bucket.block
+        if bucket.in_place and self._empty(bucket):
+            bucket.block = None
+            return
+        for g in bucket.in_place:  # they kept slices of a block that is freed: let go of them
+            g.forget_bucket_slice(block)
+        bucket.in_place = {}
         if self.allocator.is_live(bucket.alloc_key):
             self.allocator.free(bucket.alloc_key)
         bucket.block = None
+
+    # -- blocks emptied in place ----------------------------------------------------------------
+    def _empty(self, bucket: Bucket) -> bool:
+        """Give a planned bucket's block back by emptying its storage in place (``resize_(0)``)
+        rather than freeing it, when every tensor over it is one the members that let go in
+        place declared: their slices and gradient DTensors then stay valid for the next
+        backward's bucket of the same plan position and members, which refills the block
+        (:meth:`_refill`) -- what :mod:`mfsdp2.groups.main_grad` does for a main gradient of its
+        own, and why. Same moments, same bytes to and from torch; False (nothing changed) where
+        the allocator does not serve the block on its own, a memory tool observes it, or the
+        storage has a holder nobody declared (a view or ``detach()`` of a gradient the user
+        kept)."""
+        alloc, block, key = self.allocator, bucket.block, bucket.alloc_key
+        if (bucket.index is None or alloc.observers or not alloc.is_live(key) or block.device.type == "meta"
+                or block.storage_offset() != 0 or not alloc.standalone(key, block)):
+            return False
+        storage = block.untyped_storage()
+        # The block, ``storage`` itself and what the members declared.
+        if storage.nbytes() != block.nbytes or storage_use_count(storage) != 2 + sum(bucket.in_place.values()):
+            return False
+        before = sys.getrefcount(block)
+        alloc.free(key)
+        if sys.getrefcount(block) != before - 1:  # the allocator keeps it after all (a subclass's cache)
+            for g in bucket.in_place:
+                g.forget_bucket_slice(block)
+            bucket.in_place = {}
+            return True
+        storage.resize_(0)
+        members = tuple(zip(bucket.members, (bucket.offsets[i + 1] - bucket.offsets[i] if i + 1 < len(bucket.offsets)
+                                            else bucket.used - bucket.offsets[i] for i in range(len(bucket.offsets)))))
+        bucket.lane.emptied[bucket.index] = (block, key, members)
+        bucket.in_place = {}
+        return True
+
+    def _refill(self, bucket: Bucket, numel: int, dtype, device) -> bool:
+        """Give ``bucket`` (planned, its first member arriving) the block emptied at its plan
+        position, refilled from torch and live again under its key, if the plan puts the same
+        members there and the block still fits; False (allocate afresh) otherwise."""
+        lane = bucket.lane
+        kept = lane.emptied.pop(bucket.index, None)
+        if kept is None:
+            return False
+        block, key, members = kept
+        alloc = self.allocator
+        if (members != tuple(lane.plan[bucket.index]) or block.numel() != numel or block.dtype != dtype
+                or block.device != device or alloc.observers or alloc.is_live(key)
+                or not alloc.standalone(key, block) or block.untyped_storage().nbytes() != 0):
+            return False
+        block.untyped_storage().resize_(block.nbytes)
+        alloc.readmit(key, block)
+        bucket.alloc_key, bucket.block = key, block
+        return True
 
     def leak(self, bucket: Bucket, why: str) -> None:
         """The bucket's collective failed and may still write its block: never reuse it."""
@@ -305,6 +384,7 @@ class GradientBuckets:
         pending reductions themselves, see ``GradientReduction.abort``)."""
         for lane in self._lanes.values():
             lane.open = None
+            lane.emptied.clear()
             lane.record = []
             lane.pos = (0, 0)
             lane.diverged = False

@@ -396,8 +396,7 @@ class GradientReduction(MainGradient):
         with no_grad():
             has_grad = self._pack(full, plan)
         if direct:
-            self.main_grad_full = full
-            self.main_grad = self.weights.local_slice(full)
+            self.main_grad_full, self.main_grad = self._bucket_slice(bucket.block, full)
             self._main_grad_bucket = (buckets, bucket)
         out = self.weights.local_slice(full) if sharded else full
         if sharded:

@@ -111,6 +111,8 @@ class MainGradient:
         (:func:`~mfsdp2.base.compat.storage_use_count`); where it cannot count, the block is
         dropped as before."""
         alloc, views = self._main_grad_alloc, self._grad_views
+        if self._main_grad_bucket is not None and views is not None:
+            return self._empty_bucket_slice(views)
         if alloc is None or self._main_grad_bucket is not None or views is None or alloc.observers:
             return False
         block = self.main_grad_full if self.full_grads else self.main_grad
@@ -138,6 +140,46 @@ class MainGradient:
         storage.resize_(0)
         self._emptied_main_grad = (alloc, block, main)
         return True
+
+    def _empty_bucket_slice(self, views) -> bool:
+        """:meth:`_empty_main_grad` for a main gradient that is a slice of a shared all-reduce
+        bucket (:mod:`mfsdp2.groups.grad_buckets`): the group lets go of the bucket *in place*,
+        keeping its slice and its gradient DTensors, and tells the bucket how many tensors over
+        its storage it keeps. The bucket empties its block in place when its last holder lets go
+        and every tensor over it is one its members declared -- else it tells the members to
+        forget their slices (:meth:`forget_bucket_slice`) and frees the block as before. The next
+        backward's bucket of the same plan position and members refills the same block, and
+        this group takes its kept slice back (:meth:`_bucket_slice`)."""
+        held = views.held_only_here()
+        if held is None:
+            return False
+        buckets, bucket = self._main_grad_bucket
+        full, main = self.main_grad_full, self.main_grad
+        self._emptied_bucket_slice = (bucket.block, full, main)
+        self.main_grad = self.main_grad_full = None
+        self._main_grad_bucket = None
+        buckets.release(bucket, self, in_place=1 + (main is not full) + held)
+        return True
+
+    def forget_bucket_slice(self, block: torch.Tensor) -> None:
+        """The bucket whose ``block`` this group let go of in place frees it instead of emptying
+        it: the kept slice goes, and the cached gradient DTensors over it are emptied or
+        forgotten (:meth:`GradViews.detach <mfsdp2.groups.grad_views.GradViews.detach>`), so none
+        keeps the freed block alive."""
+        kept = self._emptied_bucket_slice
+        if kept is not None and kept[0] is block:
+            self._emptied_bucket_slice = None
+            self._grad_views.detach()
+
+    def _bucket_slice(self, block: torch.Tensor, full: torch.Tensor) -> tuple:
+        """``(main_grad_full, main_grad)`` of a direct reduction into ``full``, this group's slice
+        of a bucket's ``block``: the slice kept when the group let go of that very block in place
+        (its gradient DTensors view it still), else ``full`` and this rank's slice of it."""
+        kept, self._emptied_bucket_slice = self._emptied_bucket_slice, None
+        if (kept is not None and kept[0] is block and kept[1].storage_offset() == full.storage_offset()
+                and kept[1].numel() == full.numel() and block.untyped_storage().nbytes() == block.nbytes):
+            return kept[1], kept[2]
+        return full, self.weights.local_slice(full)
 
     def _refill_main_grad(self, allocator: BucketAllocator, n: int) -> Optional[tuple]:
         """``(block, main_grad)`` of the main gradient :meth:`_empty_main_grad` emptied, its

@@ -232,6 +232,9 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         # (allocator, block, main_grad) of a main gradient whose storage was emptied in place at
         # the last release, refilled by the next backward (MainGradient._empty_main_grad).
         self._emptied_main_grad: Optional[tuple] = None
+        # (bucket block, main_grad_full, main_grad) of a bucket slice let go of in place
+        # (MainGradient._empty_bucket_slice), taken back by the next direct reduction into it.
+        self._emptied_bucket_slice: Optional[tuple] = None
         self.copy_outs = 0  # CPU offload: reductions copied out into the main grad (tests)
         self.dist_params: list[nn.Parameter] = []
         self._row_shards: dict[int, RowShard] = {}  # as_dtensor's placements, built once

@@ -1,11 +1,12 @@
 """A main gradient released at the next forward has its storage emptied in place and refilled by
-the next backward, when nothing else can see it (``MainGradient._empty_main_grad``). These tests
-fail if that path were taken where it must not be, or changed a result:
+the next backward, when nothing else can see it (``MainGradient._empty_main_grad``; a slice of a
+shared all-reduce bucket: the bucket's block, ``GradientBuckets._empty``). These tests fail if
+that path were taken where it must not be, or changed a result:
 
 * the path is taken in the steady state (the storage is empty through forward, the gradient
   DTensors are the same objects step after step), and training is bit-identical to dropping and
   reallocating the main gradient each step (the path disabled), at world sizes 1 and 2, for
-  no_shard, ZeRO-1 and ZeRO-3;
+  no_shard, ZeRO-1 (both in buckets at two ranks) and ZeRO-3;
 * a gradient the user kept past ``zero_grad`` -- the DTensor itself, or only an alias of its
   memory (``detach()``, ``to_local()``, a slice), which no Python reference count shows -- keeps
   its values through the next steps;
@@ -28,7 +29,7 @@ from mfsdp2.memory.allocator import CachingAllocator
 
 from .._dist import run_ranks
 
-D, H, B, STEPS = 16, 32, 3, 4
+D, H, B, STEPS = 16, 32, 3, 5
 
 
 class _Stack(nn.Module):
@@ -85,8 +86,9 @@ def _train(rank, ws, strategy, emptied, hold, allocator=None):
     held = None
 
     def in_forward(mod, args, output):
-        mg = group._emptied_main_grad
-        out["emptied_bytes_in_forward"].append(mg[1].untyped_storage().nbytes() if mg is not None else None)
+        mg, kept = group._emptied_main_grad, group._emptied_bucket_slice
+        block = mg[1] if mg is not None else kept[0] if kept is not None else None
+        out["emptied_bytes_in_forward"].append(block.untyped_storage().nbytes() if block is not None else None)
         if allocator == "keep":  # no block the allocator caches may have an emptied storage
             out["cached_blocks_whole"].append(all(t.untyped_storage().nbytes() == t.nbytes
                                                   for ts in model.allocator._free.values() for t in ts))
@@ -120,36 +122,37 @@ def test_emptied_main_gradients_train_bit_identically(ws, strategy):
         assert g["losses"] == w["losses"]
         for a, b in zip(g["params"], w["params"]):
             assert torch.equal(a, b)
-    ids = got[0]["grad_ids"]
-    if got[0]["emptied_bytes_in_forward"][1:] == [0] * (STEPS - 1):
-        # Taken: the storage is empty through every later forward, the DTensors are kept.
-        assert len(set(ids)) == 1, ids
+    # The same gradient DTensors every step: re-pointed, then kept over the refilled storage.
+    assert len(set(got[0]["grad_ids"])) == 1, got[0]["grad_ids"]
+    # Taken from the first release on; a bucket (the full-gradient strategies' shared all-reduce
+    # at two ranks) from the second: the first backward has no bucket plan, one bucket per group.
+    bucketed = ws == 2 and strategy in ("no_shard", "optim")
+    first = 2 if bucketed else 1
+    seen = got[0]["emptied_bytes_in_forward"]
+    if ws == 1:
+        assert seen == [None] * first + [0] * (STEPS - first), seen
     else:
-        # Not taken: only where the main gradient is a bucket's slice (the full-gradient
-        # strategies' shared all-reduce at two ranks).
-        assert ws == 2 and strategy in ("no_shard", "optim"), got[0]["emptied_bytes_in_forward"]
-        assert got[0]["emptied_bytes_in_forward"] == [None] * STEPS
+        # gloo's worker thread lets go of a collective's tensors only after the wait returned: a
+        # release that finds it still holding one (a loaded machine) frees the memory instead
+        # (None), which is the safe answer; most releases find it gone.
+        assert seen[:first] == [None] * first and set(seen[first:]) <= {0, None} and 0 in seen[first:], seen
 
 
-def test_the_path_is_taken_at_one_rank_and_for_zero3():
-    for ws, strategy in ((1, "no_shard"), (1, "optim_grads_params"), (2, "optim_grads_params")):
-        r = run_ranks(_train, ws, strategy, True, None)[0]
-        assert r["emptied_bytes_in_forward"] == [None] + [0] * (STEPS - 1), (ws, strategy, r)
-
-
+@pytest.mark.parametrize("ws", [1, 2])
 @pytest.mark.parametrize("hold", ["dtensor", "detach", "to_local", "slice"])
-def test_a_gradient_kept_past_zero_grad_keeps_its_values(hold):
-    r = run_ranks(_train, 1, "no_shard", True, hold)[0]
-    assert r["held_intact"], hold
-    # The step after the user took it found it held: dropped and reallocated, not emptied.
-    assert r["emptied_bytes_in_forward"][2] is None, r["emptied_bytes_in_forward"]
-    want = run_ranks(_train, 1, "no_shard", False, hold)[0]
-    assert r["losses"] == want["losses"]
+def test_a_gradient_kept_past_zero_grad_keeps_its_values(hold, ws):
+    for r, want in zip(run_ranks(_train, ws, "no_shard", True, hold), run_ranks(_train, ws, "no_shard", False, hold)):
+        assert r["held_intact"], hold
+        # The step after the user took it found it held: dropped and reallocated, not emptied
+        # (at two ranks the whole bucket holding it is freed).
+        assert r["emptied_bytes_in_forward"][2] is None, r["emptied_bytes_in_forward"]
+        assert r["losses"] == want["losses"]
 
 
-def test_an_allocator_caching_every_block_never_caches_an_emptied_one():
-    got = run_ranks(_train, 1, "no_shard", True, None, "keep")[0]
-    assert all(got["cached_blocks_whole"]), got["cached_blocks_whole"]
-    assert got["emptied_bytes_in_forward"] == [None] * STEPS  # the allocator held them: dropped
-    want = run_ranks(_train, 1, "no_shard", False, None, "keep")[0]
-    assert got["losses"] == want["losses"]
+@pytest.mark.parametrize("ws", [1, 2])
+def test_an_allocator_caching_every_block_never_caches_an_emptied_one(ws):
+    for got, want in zip(run_ranks(_train, ws, "no_shard", True, None, "keep"),
+                         run_ranks(_train, ws, "no_shard", False, None, "keep")):
+        assert all(got["cached_blocks_whole"]), got["cached_blocks_whole"]
+        assert got["emptied_bytes_in_forward"] == [None] * STEPS  # the allocator held them: dropped
+        assert got["losses"] == want["losses"]
