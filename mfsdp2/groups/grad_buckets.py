@@ -336,6 +336,8 @@ class GradientBuckets:
         if (bucket.index is None or alloc.observers or not alloc.is_live(key) or block.device.type == "meta"
                 or block.storage_offset() != 0 or not alloc.standalone(key, block)):
             return False
+        if not all(g.keeps_bucket_slice(block) for g in bucket.in_place):
+            return False  # a member moved on (reduced into another bucket since): its count is stale
         storage = block.untyped_storage()
         # The block, ``storage`` itself and what the members declared.
         if storage.nbytes() != block.nbytes or storage_use_count(storage) != 2 + sum(bucket.in_place.values()):

@@ -98,8 +98,8 @@ class MainGradient:
 
         Why: dropping the block and allocating a new one each step means emptying every cached
         gradient DTensor and re-pointing it at the new block (``set_``), slicing the new block
-        and the allocator's bookkeeping: about half of a small unit's host time in the steady
-        state. Emptying the storage gives torch the same bytes at the same moment, and the
+        and the allocator's bookkeeping: about a quarter of a small unit's host time in the
+        steady state. Emptying the storage gives torch the same bytes at the same moment, and the
         refill takes them back where the allocation would have.
 
         Only where nothing else can see the storage meanwhile: the allocator serves the block as
@@ -160,6 +160,12 @@ class MainGradient:
         self._main_grad_bucket = None
         buckets.release(bucket, self, in_place=1 + (main is not full) + held)
         return True
+
+    def keeps_bucket_slice(self, block: torch.Tensor) -> bool:
+        """Whether this group still keeps the slice of ``block`` it let go of in place (it gave the
+        slice up if it reduced into another bucket since)."""
+        kept = self._emptied_bucket_slice
+        return kept is not None and kept[0] is block
 
     def forget_bucket_slice(self, block: torch.Tensor) -> None:
         """The bucket whose ``block`` this group let go of in place frees it instead of emptying
