@@ -25,8 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp2 import fully_shard
 from mfsdp2.groups.main_grad import MainGradient
-from mfsdp2.memory.allocator import CachingAllocator
 
+from .._allocators import KeepEverything
 from .._dist import run_ranks
 
 D, H, B, STEPS = 16, 32, 3, 5
@@ -42,20 +42,6 @@ class _Stack(nn.Module):
         for b in self.blocks:
             x = b(x)
         return x
-
-
-class _KeepEverything(CachingAllocator):
-    """Caches every freed block, main gradients included, and hands them out again by size."""
-
-    def keeps(self, device, nbytes):
-        return True
-
-    def _release(self, key, tensor):
-        self._free[(tensor.numel(), tensor.dtype, tensor.device)].append(tensor)
-        self._cached += tensor.numel() * tensor.element_size()
-
-    def release_idle(self, next_phase="forward"):
-        pass
 
 
 def _alias(g, hold: str):
@@ -77,7 +63,7 @@ def _train(rank, ws, strategy, emptied, hold, allocator=None):
     for b in model.blocks:
         fully_shard(b, mesh=mesh, sharding_strategy=strategy)
     fully_shard(model, mesh=mesh, sharding_strategy=strategy,
-                allocator=_KeepEverything() if allocator == "keep" else "caching")
+                allocator=KeepEverything() if allocator == "keep" else "caching")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(rank)
     group = model.blocks[0]._mfsdp2_state.groups[0]

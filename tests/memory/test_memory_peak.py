@@ -39,6 +39,7 @@ from mfsdp2.memory.buffer import DataParallelBuffer
 from mfsdp2.comm.communicator import CommHandle
 from mfsdp2.memory.layout import plan_layout
 
+from .._allocators import KeepEverything
 from .._dist import run_ranks
 
 B = 5
@@ -173,20 +174,6 @@ class _Fake:
 
 
 # -- the step's peak against the schedule's own bound (torch's memory tracker, every tensor) -------
-class _KeepEverything(CachingAllocator):
-    """The caching allocator as it was: every freed block cached for good, main gradients too."""
-
-    def keeps(self, device, nbytes):
-        return True
-
-    def _release(self, key, tensor):
-        self._free[(tensor.numel(), tensor.dtype, tensor.device)].append(tensor)
-        self._cached += tensor.numel() * tensor.element_size()
-
-    def release_idle(self, next_phase="forward"):
-        pass
-
-
 def _tracked(rank, ws, allocator):
     from mfsdp2.memory.memory_bound import StepMemoryTracker
 
@@ -195,7 +182,7 @@ def _tracked(rank, ws, allocator):
     mesh = init_device_mesh("cpu", (ws,))
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh, allocator=_KeepEverything() if allocator == "keep_everything" else allocator)
+    fully_shard(model, mesh=mesh, allocator=KeepEverything() if allocator == "keep_everything" else allocator)
     model.set_all_reduce_bucket_cap_mb(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(rank)
