@@ -40,6 +40,7 @@ __all__ = [
     "all_gather_name",
     "reduce_scatter_name",
     "storage_use_count",
+    "RESIZE_IN_PLACE_DEVICES",
 ]
 
 #: Whether buffers re-point their storage at allocator blocks (else: ``resize_``, see buffer.py).
@@ -47,6 +48,12 @@ __all__ = [
 HAS_STORAGE_SWAP: bool = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and os.environ.get(
     "MFSDP2_NO_STORAGE_SWAP", "0"
 ) != "1"
+
+
+#: Device types whose storages mfsdp2 empties and refills in place (``UntypedStorage.resize_``):
+#: the CPU, and CUDA, where FSDP2 frees its unsharded parameters so. Elsewhere (meta tensors of
+#: the memory estimate, other accelerators) blocks are dropped and allocated afresh instead.
+RESIZE_IN_PLACE_DEVICES = frozenset({"cpu", "cuda"})
 
 
 def storage_use_count(storage: torch.UntypedStorage):

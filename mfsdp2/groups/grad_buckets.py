@@ -49,7 +49,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..base.compat import storage_use_count
+from ..base.compat import RESIZE_IN_PLACE_DEVICES, storage_use_count
 from ..memory.allocator import BucketAllocator, BufferRole
 from ..comm.communicator import CommHandle, comm_stats
 from ..base.profiling import trace_range
@@ -333,7 +333,8 @@ class GradientBuckets:
         storage has a holder nobody declared (a view or ``detach()`` of a gradient the user
         kept)."""
         alloc, block, key = self.allocator, bucket.block, bucket.alloc_key
-        if (bucket.index is None or alloc.observers or not alloc.is_live(key) or block.device.type == "meta"
+        if (bucket.index is None or alloc.observers or not alloc.is_live(key)
+                or block.device.type not in RESIZE_IN_PLACE_DEVICES
                 or block.storage_offset() != 0 or not alloc.standalone(key, block)):
             return False
         if not all(g.keeps_bucket_slice(block) for g in bucket.in_place):

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..base.compat import storage_use_count
+from ..base.compat import RESIZE_IN_PLACE_DEVICES, storage_use_count
 from ..memory.allocator import BucketAllocator, BufferRole
 from ..memory.offload import copy_to_main, release_held
 from .grad_mode import no_grad
@@ -117,7 +117,8 @@ class MainGradient:
             return False
         block = self.main_grad_full if self.full_grads else self.main_grad
         key = self._main_grad_key()
-        if block.device.type == "meta" or block.storage_offset() != 0 or not alloc.standalone(key, block):
+        if (block.device.type not in RESIZE_IN_PLACE_DEVICES or block.storage_offset() != 0
+                or not alloc.standalone(key, block)):
             return False
         held = views.held_only_here()
         if held is None:

@@ -54,9 +54,14 @@ def _alias(g, hold: str):
     return g._local_tensor[1:]
 
 
-def _train(rank, ws, strategy, emptied, hold, allocator=None):
+def _train(rank, ws, strategy, emptied, hold, allocator=None, resize_devices=None):
     if not emptied:  # the reference: drop the main gradient and allocate a new one each step
         MainGradient._empty_main_grad = lambda self: False
+    if resize_devices is not None:  # as on a device type whose storages are not resized in place
+        import mfsdp2.groups.grad_buckets as grad_buckets
+        import mfsdp2.groups.main_grad as main_grad
+
+        main_grad.RESIZE_IN_PLACE_DEVICES = grad_buckets.RESIZE_IN_PLACE_DEVICES = frozenset(resize_devices)
     torch.manual_seed(0)
     model = _Stack().double()
     mesh = init_device_mesh("cpu", (ws,))
@@ -141,4 +146,13 @@ def test_an_allocator_caching_every_block_never_caches_an_emptied_one(ws):
                          run_ranks(_train, ws, "no_shard", False, None, "keep")):
         assert all(got["cached_blocks_whole"]), got["cached_blocks_whole"]
         assert got["emptied_bytes_in_forward"] == [None] * STEPS  # the allocator held them: dropped
+        assert got["losses"] == want["losses"]
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_other_device_types_drop_and_reallocate(ws):
+    """Only CPU and CUDA storages are emptied in place (``compat.RESIZE_IN_PLACE_DEVICES``)."""
+    for got, want in zip(run_ranks(_train, ws, "no_shard", True, None, None, ()),
+                         run_ranks(_train, ws, "no_shard", False, None)):
+        assert got["emptied_bytes_in_forward"] == [None] * STEPS, got["emptied_bytes_in_forward"]
         assert got["losses"] == want["losses"]
