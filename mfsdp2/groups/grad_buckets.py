@@ -44,12 +44,10 @@ valid as they were (see :mod:`mfsdp2.groups.main_grad` for why).
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any, Optional
 
 import torch
 
-from ..base.compat import RESIZE_IN_PLACE_DEVICES, storage_use_count
 from ..memory.allocator import BucketAllocator, BufferRole
 from ..comm.communicator import CommHandle, comm_stats
 from ..base.profiling import trace_range
@@ -329,31 +327,24 @@ class GradientBuckets:
         backward's bucket of the same plan position and members, which refills the block
         (:meth:`_refill`) -- what :mod:`mfsdp2.groups.main_grad` does for a main gradient of its
         own, and why. Same moments, same bytes to and from torch; False (nothing changed) where
-        the allocator does not serve the block on its own, a memory tool observes it, or the
-        storage has a holder nobody declared (a view or ``detach()`` of a gradient the user
-        kept)."""
-        alloc, block, key = self.allocator, bucket.block, bucket.alloc_key
-        if (bucket.index is None or alloc.observers or not alloc.is_live(key)
-                or block.device.type not in RESIZE_IN_PLACE_DEVICES
-                or block.storage_offset() != 0 or not alloc.standalone(key, block)):
+        the allocator may not (:meth:`BucketAllocator.free_in_place
+        <mfsdp2.memory.allocator.BucketAllocator.free_in_place>`: among others, a holder of the
+        storage nobody declared, such as a view or ``detach()`` of a gradient the user kept)."""
+        block = bucket.block
+        if bucket.index is None:
             return False
         if not all(g.keeps_bucket_slice(block) for g in bucket.in_place):
             return False  # a member moved on (reduced into another bucket since): its count is stale
-        storage = block.untyped_storage()
-        # The block, ``storage`` itself and what the members declared.
-        if storage.nbytes() != block.nbytes or storage_use_count(storage) != 2 + sum(bucket.in_place.values()):
+        done = self.allocator.free_in_place(bucket.alloc_key, block, 1 + sum(bucket.in_place.values()))
+        if done is None:
             return False
-        before = sys.getrefcount(block)
-        alloc.free(key)
-        if sys.getrefcount(block) != before - 1:  # the allocator keeps it after all (a subclass's cache)
+        if done:
+            ends = bucket.offsets[1:] + [bucket.used]
+            members = tuple(zip(bucket.members, (e - o for o, e in zip(bucket.offsets, ends))))
+            bucket.lane.emptied[bucket.index] = (block, bucket.alloc_key, members)
+        else:  # the allocator kept the block: the members let go of their slices
             for g in bucket.in_place:
                 g.forget_bucket_slice(block)
-            bucket.in_place = {}
-            return True
-        storage.resize_(0)
-        members = tuple(zip(bucket.members, (bucket.offsets[i + 1] - bucket.offsets[i] if i + 1 < len(bucket.offsets)
-                                            else bucket.used - bucket.offsets[i] for i in range(len(bucket.offsets)))))
-        bucket.lane.emptied[bucket.index] = (block, key, members)
         bucket.in_place = {}
         return True
 
@@ -366,13 +357,9 @@ class GradientBuckets:
         if kept is None:
             return False
         block, key, members = kept
-        alloc = self.allocator
         if (members != tuple(lane.plan[bucket.index]) or block.numel() != numel or block.dtype != dtype
-                or block.device != device or alloc.observers or alloc.is_live(key)
-                or not alloc.standalone(key, block) or block.untyped_storage().nbytes() != 0):
+                or block.device != device or not self.allocator.refill(key, block)):
             return False
-        block.untyped_storage().resize_(block.nbytes)
-        alloc.readmit(key, block)
         bucket.alloc_key, bucket.block = key, block
         return True
 

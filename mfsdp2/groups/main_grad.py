@@ -16,13 +16,11 @@ base of :class:`~mfsdp2.groups.grad_reduction.GradientReduction`.
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..base.compat import RESIZE_IN_PLACE_DEVICES, storage_use_count
 from ..memory.allocator import BucketAllocator, BufferRole
 from ..memory.offload import copy_to_main, release_held
 from .grad_mode import no_grad
@@ -102,47 +100,37 @@ class MainGradient:
         steady state. Emptying the storage gives torch the same bytes at the same moment, and the
         refill takes them back where the allocation would have.
 
-        Only where nothing else can see the storage meanwhile: the allocator serves the block as
-        a tensor of its own and hands it straight back to torch (not a pool's or a bucket's slice,
-        not an offloaded host block, no memory tool observing it), no cached gradient DTensor is
-        held by anybody else (the user kept ``p.grad`` past ``zero_grad``), and no other tensor
-        shares the storage (a view or ``detach()`` of a gradient somebody kept): a tensor over
-        an emptied storage would read freed memory. The storage's holders are counted by torch
-        (:func:`~mfsdp2.base.compat.storage_use_count`); where it cannot count, the block is
-        dropped as before."""
-        alloc, views = self._main_grad_alloc, self._grad_views
-        if self._main_grad_bucket is not None and views is not None:
-            return self._empty_bucket_slice(views)
-        if alloc is None or self._main_grad_bucket is not None or views is None or alloc.observers:
+        Only where nothing else can see the storage meanwhile: no cached gradient DTensor is held
+        by anybody else (the user kept ``p.grad`` past ``zero_grad``), and the allocator empties
+        it only where it served the block as a tensor of its own and torch counts no tensor over
+        it but ours (:meth:`BucketAllocator.free_in_place
+        <mfsdp2.memory.allocator.BucketAllocator.free_in_place>`): not a pool's or a bucket's
+        slice, not an offloaded host block, no memory tool observing, no view or ``detach()`` of
+        a gradient somebody kept. Elsewhere the block is dropped as before."""
+        if self._main_grad_bucket is not None:
+            return self._empty_bucket_slice()
+        alloc = self._main_grad_alloc
+        if alloc is None:
             return False
-        block = self.main_grad_full if self.full_grads else self.main_grad
-        key = self._main_grad_key()
-        if (block.device.type not in RESIZE_IN_PLACE_DEVICES or block.storage_offset() != 0
-                or not alloc.standalone(key, block)):
-            return False
-        held = views.held_only_here()
+        held = self._grad_views.held_only_here()
         if held is None:
             return False
-        storage = block.untyped_storage()
-        # Its holders are all ours: the block, the main gradient's slice of it (full-gradient
-        # strategies), the cached DTensors' local tensors, and ``storage`` itself.
-        ours = 2 + (self.main_grad is not block) + held
-        if storage.nbytes() != block.nbytes or storage_use_count(storage) != ours:
+        block = self.main_grad_full if self.full_grads else self.main_grad
+        # The tensors over its storage are ours: the block, the main gradient's slice of it
+        # (full-gradient strategies) and the cached DTensors' local tensors.
+        done = alloc.free_in_place(self._main_grad_key(), block, 1 + (self.main_grad is not block) + held)
+        if done is None:
             return False
-        before = sys.getrefcount(block)
-        alloc.free(key)
-        kept = sys.getrefcount(block) != before - 1  # the allocator holds it after all (a subclass's cache)
         main = self.main_grad
         self.main_grad = self.main_grad_full = None
         self._main_grad_alloc = None
-        if kept:
-            views.detach()
-            return True
-        storage.resize_(0)
-        self._emptied_main_grad = (alloc, block, main)
+        if done:
+            self._emptied_main_grad = (alloc, block, main)
+        else:  # the allocator kept the block: dropped as drop_main_grad drops it
+            self._grad_views.detach()
         return True
 
-    def _empty_bucket_slice(self, views) -> bool:
+    def _empty_bucket_slice(self) -> bool:
         """:meth:`_empty_main_grad` for a main gradient that is a slice of a shared all-reduce
         bucket (:mod:`mfsdp2.groups.grad_buckets`): the group lets go of the bucket *in place*,
         keeping its slice and its gradient DTensors, and tells the bucket how many tensors over
@@ -151,7 +139,7 @@ class MainGradient:
         forget their slices (:meth:`forget_bucket_slice`) and frees the block as before. The next
         backward's bucket of the same plan position and members refills the same block, and
         this group takes its kept slice back (:meth:`_bucket_slice`)."""
-        held = views.held_only_here()
+        held = self._grad_views.held_only_here()
         if held is None:
             return False
         buckets, bucket = self._main_grad_bucket
@@ -184,7 +172,7 @@ class MainGradient:
         (its gradient DTensors view it still), else ``full`` and this rank's slice of it."""
         kept, self._emptied_bucket_slice = self._emptied_bucket_slice, None
         if (kept is not None and kept[0] is block and kept[1].storage_offset() == full.storage_offset()
-                and kept[1].numel() == full.numel() and block.untyped_storage().nbytes() == block.nbytes):
+                and kept[1].numel() == full.numel()):
             return kept[1], kept[2]
         return full, self.weights.local_slice(full)
 
@@ -197,15 +185,9 @@ class MainGradient:
         if emptied is None:
             return None
         alloc, block, main = emptied
-        key = self._main_grad_key()
-        if (alloc is not allocator or allocator.observers or block.numel() != n or block.dtype != self.grad_dtype
-                or block.device != self.device or allocator.is_live(key) or not allocator.standalone(key, block)):
+        if (alloc is not allocator or block.numel() != n or block.dtype != self.grad_dtype
+                or block.device != self.device or not allocator.refill(self._main_grad_key(), block)):
             return None
-        storage = block.untyped_storage()
-        if storage.nbytes() != 0:
-            return None
-        storage.resize_(block.nbytes)
-        allocator.readmit(key, block)
         return block, main
 
     def drop_main_grad(self) -> Optional[BucketAllocator]:

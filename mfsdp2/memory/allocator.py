@@ -55,11 +55,14 @@ from __future__ import annotations
 import enum
 
 import logging
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Protocol
 
 import torch
+
+from ..base.compat import RESIZE_IN_PLACE_DEVICES, storage_use_count
 
 __all__ = [
     "AllocationObserver",
@@ -207,24 +210,51 @@ class BucketAllocator:
 
     def standalone(self, key: Hashable, block: torch.Tensor) -> bool:
         """Whether ``block``, served under ``key``, is a tensor of its own that :meth:`free` hands
-        straight back to torch (nothing of it is cached or pooled here). Its owner may then give
-        the memory back by emptying the block's storage in place (``resize_(0)``) after
-        :meth:`free`, and take it again with ``resize_`` and :meth:`readmit`: the same bytes go
-        back to torch and come from torch as a ``free`` and an ``allocate`` would move them, while
-        every tensor over that storage (views, gradient DTensors) stays valid. A subclass that
-        keeps freed blocks another way must be caught by the owner, which checks that ``free``
-        dropped the allocator's last reference to the block."""
+        straight back to torch (nothing of it is cached or pooled here): what
+        :meth:`free_in_place` needs. A subclass that keeps freed blocks another way is caught
+        there anyway (``free`` did not drop its reference)."""
         return False
 
-    def readmit(self, key: Hashable, block: torch.Tensor) -> None:
-        """``block`` (see :meth:`standalone`), whose storage its owner refilled from torch, is live
-        again under ``key``: recorded and counted as :meth:`allocate` records and counts it."""
-        if key in self._live:
-            raise RuntimeError(f"mfsdp2 E20: allocator: buffer {key!r} is already live; "
-                               "free it before allocating it again")
+    def free_in_place(self, key: Hashable, block: torch.Tensor, holders: int) -> Optional[bool]:
+        """Free ``key``'s ``block`` by emptying its storage in place (``resize_(0)``): the same bytes
+        go back to torch at the same moment as :meth:`free` gives them, while every tensor over
+        that storage stays valid for :meth:`refill` to take them back under.
+
+        ``holders``: the tensors over the storage its owner keeps, ``block`` included (views,
+        gradient DTensors' local tensors); torch must count exactly those
+        (:func:`~mfsdp2.base.compat.storage_use_count`), or some other tensor -- a view or
+        ``detach()`` somebody kept -- would read freed memory. Returns None where it may not
+        (nothing changed: free it as usual): another block is live under ``key``, a memory tool
+        observes this allocator, the device's storages are not resized in place
+        (:data:`~mfsdp2.base.compat.RESIZE_IN_PLACE_DEVICES`), the block is not
+        :meth:`standalone`, or the count differs. True: emptied. False: freed, but this allocator
+        kept the block after all (a subclass's cache): the owner must let go of its tensors over it."""
+        if (self._live.get(key) is not block or self.observers or block.device.type not in RESIZE_IN_PLACE_DEVICES
+                or block.storage_offset() != 0 or not self.standalone(key, block)):
+            return None
+        storage = block.untyped_storage()
+        if storage.nbytes() != block.nbytes or storage_use_count(storage) != holders + 1:  # + ``storage``
+            return None
+        before = sys.getrefcount(block)
+        self.free(key)
+        if sys.getrefcount(block) != before - 1:
+            return False
+        storage.resize_(0)
+        return True
+
+    def refill(self, key: Hashable, block: torch.Tensor) -> bool:
+        """Take back a block :meth:`free_in_place` emptied: its storage refilled from torch, live again
+        under ``key`` and counted as :meth:`allocate` makes a block. False (nothing changed) where
+        it may not: ``key`` is live, a memory tool observes this allocator, the block is no longer
+        :meth:`standalone`, or its storage is not empty (somebody resized it)."""
+        if (key in self._live or key in self._accounted or self.observers or not self.standalone(key, block)
+                or block.untyped_storage().nbytes() != 0):
+            return False
+        block.untyped_storage().resize_(block.nbytes)
         self._live[key] = block
         self.stats.underlying_allocations += 1
         self.stats._add(key, block.nbytes, +1)
+        return True
 
     def account(self, key: Hashable, nbytes: int) -> None:
         """Count a live buffer that this allocator does not serve: gathered weights on a torch

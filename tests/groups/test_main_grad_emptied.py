@@ -58,10 +58,9 @@ def _train(rank, ws, strategy, emptied, hold, allocator=None, resize_devices=Non
     if not emptied:  # the reference: drop the main gradient and allocate a new one each step
         MainGradient._empty_main_grad = lambda self: False
     if resize_devices is not None:  # as on a device type whose storages are not resized in place
-        import mfsdp2.groups.grad_buckets as grad_buckets
-        import mfsdp2.groups.main_grad as main_grad
+        import mfsdp2.memory.allocator as allocator_module
 
-        main_grad.RESIZE_IN_PLACE_DEVICES = grad_buckets.RESIZE_IN_PLACE_DEVICES = frozenset(resize_devices)
+        allocator_module.RESIZE_IN_PLACE_DEVICES = frozenset(resize_devices)
     torch.manual_seed(0)
     model = _Stack().double()
     mesh = init_device_mesh("cpu", (ws,))
