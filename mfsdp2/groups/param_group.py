@@ -239,7 +239,7 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         self.dist_params: list[nn.Parameter] = []
         self._row_shards: dict[int, RowShard] = {}  # as_dtensor's placements, built once
         self._grad_views: Optional[GradViews] = None  # the gradient DTensors (grad_views.py), made with dist_params
-        self._dp_storages: Optional[list[int]] = None  # see _check_data_not_assigned
+        self._dp_storages: Optional[list[int]] = None  # see _refuse_assigned
         self._hooks_forwarded_to: dict[int, nn.Parameter] = {}  # see _forward_tensor_hooks
         self.unsharded_params: list[nn.Parameter] = []
         self.init_reduction(len(params))  # GradientReduction's state

@@ -99,10 +99,7 @@ class ParameterRegistration:
         dist, full = self.dist_params, self.unsharded_params
         params = full if unsharded else dist
         if unsharded:
-            if check:
-                self._check_data_not_assigned()
-            self._follow_requires_grad()
-            self._forward_tensor_hooks()
+            self._check_before_use(check)
         # One flat pass over (place, index): this runs at every gather and reshard of the unit.
         for info, i in self._places():
             slots = info.owner._parameters
@@ -134,7 +131,7 @@ class ParameterRegistration:
 
     def _record_storages(self) -> None:
         """Remember each DTensor parameter's storage and local tensor (see
-        :meth:`_check_data_not_assigned`, :meth:`converted_elsewhere`)."""
+        :meth:`_refuse_assigned`, :meth:`converted_elsewhere`)."""
         self._dp_storages = [dp.untyped_storage()._cdata for dp in self.dist_params]
         self._dp_locals = [id(dp._local_tensor) for dp in self.dist_params]
 
@@ -146,67 +143,73 @@ class ParameterRegistration:
         recorded = getattr(self, "_dp_locals", None)
         return recorded is not None and id(self.dist_params[i]._local_tensor) != recorded[i]
 
-    def _check_data_not_assigned(self) -> None:
+    def _check_before_use(self, check: bool) -> None:
+        """What every registration of the unsharded parameters checks, per parameter in one
+        pass (a unit registers at each gather: one loop over its parameters instead of three):
+        the wrapper's storage (:meth:`_refuse_assigned`; ``check``), the ``requires_grad`` flag
+        (:meth:`_follow_requires_grad`) and the gradient hooks (:meth:`_forward_tensor_hooks`).
+        Each reads an attribute or two; the work runs only where something differs."""
+        recorded = self._dp_storages if check else None
+        full = self.unsharded_params
+        for i, dp in enumerate(self.dist_params):
+            if recorded is not None and dp.untyped_storage()._cdata != recorded[i]:
+                self._refuse_assigned(i)
+            up = full[i]
+            if up.requires_grad != dp.requires_grad:
+                self._follow_requires_grad(i, dp, up)
+            if dp._backward_hooks:
+                self._forward_tensor_hooks(i, dp, up)
+
+    def _refuse_assigned(self, i: int) -> None:
         """``p.data = new`` on a DTensor parameter swaps the wrapper's storage but not the local
         tensor every DTensor op reads (``p._local_tensor``, a view of our main weights): the
         assignment is silently lost -- the optimizer, the gathers and ``state_dict`` all keep
         the old values (torch FSDP2 trains them without a word). The wrapper's storage is the
-        one thing that changes, so compare it with the one recorded when the parameter was last
-        registered (0.3 us per parameter per forward) and refuse, naming the parameter."""
-        recorded = self._dp_storages
-        if recorded is None:
-            return
-        for i, (dp, cdata) in enumerate(zip(self.dist_params, recorded)):
-            if dp.untyped_storage()._cdata != cdata:
-                if self.converted_elsewhere(i):
-                    raise RuntimeError(
-                        f"mfsdp2 E58: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} was converted "
-                        "(.to / to_empty / .half ...) after the first forward through a module inside the unit "
-                        "that is not one of the modules passed to fully_shard; its shard keeps the old values. "
-                        "Convert the unit's module (or the whole model), which converts its shards"
-                    )
-                raise RuntimeError(
-                    f"mfsdp2 E53: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} had its .data "
-                    "assigned after fully_shard (p.data = ...); a DTensor parameter ignores that (its "
-                    "shard keeps the old values, which would be trained and saved). Write the values "
-                    "in place instead: with torch.no_grad(): p.copy_(new) (or p.data.copy_(new))"
-                )
+        one thing that changes, so :meth:`_check_before_use` compares it with the one recorded
+        when the parameter was last registered (0.3 us per parameter per forward); parameter
+        ``i``'s differs: refuse, naming it."""
+        if self.converted_elsewhere(i):
+            raise RuntimeError(
+                f"mfsdp2 E58: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} was converted "
+                "(.to / to_empty / .half ...) after the first forward through a module inside the unit "
+                "that is not one of the modules passed to fully_shard; its shard keeps the old values. "
+                "Convert the unit's module (or the whole model), which converts its shards"
+            )
+        raise RuntimeError(
+            f"mfsdp2 E53: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} had its .data "
+            "assigned after fully_shard (p.data = ...); a DTensor parameter ignores that (its "
+            "shard keeps the old values, which would be trained and saved). Write the values "
+            "in place instead: with torch.no_grad(): p.copy_(new) (or p.data.copy_(new))"
+        )
 
-    def _forward_tensor_hooks(self) -> None:
+    def _forward_tensor_hooks(self, i: int, dp: nn.Parameter, up: nn.Parameter) -> None:
         """Make the gradient hooks users register on the parameters they see
         (``p.register_hook(lambda g: g * mask)``: masking rows of an embedding, scaling, clipping)
         run. Autograd computes the gradient of the unsharded parameter, never of the DTensor one,
         so a hook on the DTensor is never called -- under torch FSDP2 too, silently.
 
-        Each parameter with hooks gets one forwarding hook on its unsharded parameter, which runs
-        the DTensor parameter's current hooks (added or removed since included) on the unsharded
-        gradient of each backward, before the reduction: what the hooks see and do is what they
-        see and do in single-process or DDP code (a full-shape plain tensor, this rank's
-        gradient), and hooks that are linear in the gradient (masks, scales) give exactly the
-        unsharded model's result. A check of one attribute per parameter per forward."""
-        for i, dp in enumerate(self.dist_params):
-            if not dp._backward_hooks:  # the common case: the only read
-                continue
-            up = self.unsharded_params[i]
-            if self._hooks_forwarded_to.get(i) is up or not up.requires_grad:
-                continue
-            up.register_hook(_HookForwarder(dp))
-            self._hooks_forwarded_to[i] = up
+        A parameter with hooks (``dp``, parameter ``i``) gets one forwarding hook on its
+        unsharded parameter ``up``, which runs the DTensor parameter's current hooks (added or
+        removed since included) on the unsharded gradient of each backward, before the
+        reduction: what the hooks see and do is what they see and do in single-process or DDP
+        code (a full-shape plain tensor, this rank's gradient), and hooks that are linear in the
+        gradient (masks, scales) give exactly the unsharded model's result."""
+        if self._hooks_forwarded_to.get(i) is up or not up.requires_grad:
+            return
+        up.register_hook(_HookForwarder(dp))
+        self._hooks_forwarded_to[i] = up
 
-    def _follow_requires_grad(self) -> None:
+    def _follow_requires_grad(self, i: int, dp: nn.Parameter, up: nn.Parameter) -> None:
         """The module computes with the unsharded parameters, but users freeze (or unfreeze) the
         ones they see, the DTensors (``block.requires_grad_(False)`` after ``fully_shard``, as with
-        FSDP2). Copy the flag over before each use, or a frozen layer would still get gradients and
-        the optimizer would keep training it."""
-        for i, (dp, up) in enumerate(zip(self.dist_params, self.unsharded_params)):
-            if up.requires_grad == dp.requires_grad:
-                continue
-            if dp.requires_grad and not self.requires_grad:
-                raise RuntimeError(
-                    f"mfsdp2: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} was made trainable "
-                    "(requires_grad_(True)) after fully_shard, but it was sharded frozen, with no gradient "
-                    "buffers; call requires_grad_(True) before fully_shard (freezing after it is fine)"
-                )
-            up.requires_grad_(dp.requires_grad)
-            # Which groups reduce is part of the unit's step plan (mfsdp2.runtime.step_plan).
-            plan_epoch.bump(plan_epoch.PlanChange.REQUIRES_GRAD)
+        FSDP2). Parameter ``i``'s flags differ: copy the DTensor's over before the use, or a
+        frozen layer would still get gradients and the optimizer would keep training it."""
+        if dp.requires_grad and not self.requires_grad:
+            raise RuntimeError(
+                f"mfsdp2: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} was made trainable "
+                "(requires_grad_(True)) after fully_shard, but it was sharded frozen, with no gradient "
+                "buffers; call requires_grad_(True) before fully_shard (freezing after it is fine)"
+            )
+        up.requires_grad_(dp.requires_grad)
+        # Which groups reduce is part of the unit's step plan (mfsdp2.runtime.step_plan).
+        plan_epoch.bump(plan_epoch.PlanChange.REQUIRES_GRAD)

@@ -223,7 +223,7 @@ def _take_converted(state, g: ParameterGroup, i: int) -> None:
     """Parameter ``i`` was converted by ``_apply`` of a module inside the unit that is not one of
     its modules (``model.layers[0].attention.to_empty(...)`` when the unit is ``layers[0]``):
     torch swapped a new DTensor into the object. Before the first forward its value is taken like
-    a conversion's; after it, it is refused (as at the next gather, ``_check_data_not_assigned``)."""
+    a conversion's; after it, it is refused (as at the next gather, ``_refuse_assigned``)."""
     dp = g.dist_params[i]
     fqn = g.infos[i][0].fqn
     if state.ctx is not None:
