@@ -222,7 +222,7 @@ class GatherBuckets:
         with trace_range("mfsdp2.issue_gather_bucket"), torch.no_grad():
             b.block = self.allocator.allocate(b.key, N * T, b.dtype, b.device)
             mine = b.block[r * T : (r + 1) * T]
-            checked = [g for g in b.members if watch_mode(g) is WatchMode.CONTENT]
+            checked = [g for g in b.members if g.wants_baseline and watch_mode(g) is WatchMode.CONTENT]
             fps = dict(zip(map(id, checked), fingerprints([g.main_weight for g in checked])))
             for g, off in zip(b.members, b.offsets):
                 g.begin_gather(fps.get(id(g)))  # cast main -> model shard, clear the flags, fingerprint

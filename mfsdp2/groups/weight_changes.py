@@ -65,6 +65,12 @@ class WeightChanges:
         return (fingerprint(self.main_weight) != self._gathered_fp).any().to(device=one.device, dtype=one.dtype)
 
     @property
+    def has_baseline(self) -> bool:
+        """Whether the last gather took a fingerprint to compare with (the same on every rank:
+        taken by the content check's groups whose :attr:`wants_baseline` held)."""
+        return self._gathered_fp is not None
+
+    @property
     def fingerprinted(self) -> bool:
         """Persistent weights whose content may be compared at a root forward (a write through
         ``.data`` bumps no counter). Not when the module computes with the main weights' own
@@ -94,7 +100,7 @@ class WeightChanges:
         # one, so a later switch to the check starts from "unknown" (a re-gather), never from a
         # fingerprint of older weights.
         self._gathered_fp = None
-        if self.persistent and watch_mode(self) is WatchMode.CONTENT:
+        if self.persistent and self.wants_baseline and watch_mode(self) is WatchMode.CONTENT:
             self._gathered_fp = fp if fp is not None else fingerprint(self.main_weight)
 
     @property

@@ -32,12 +32,19 @@ shares, so every rank issues the same gathers):
    blocking all-reduce over the gloo twin per forward: re-gather there too (the copy-in is the
    cast it needed anyway). On a CPU mesh with offload both memories are host memory: the check
    costs what it costs without offload and stays.
+   The content check compares against a fingerprint the last gather took. Taking it costs
+   passes over the main shard at every gather, and in the usual loop no forward reads it: from
+   the third grad-enabled forward in a row that follows a common fact, a gather takes none (a
+   prediction from facts every rank shares), and a forward without a fact that finds none
+   re-gathers without an agreement -- and takes one for the forwards after it. Gradient
+   accumulation (a forward without a fact after each step's) and evaluation passes (a forward
+   under ``no_grad`` takes one) keep their fingerprints.
 3. ``set_detect_data_writes(False)`` (:attr:`WatchMode.HOST_FACTS`): trust the host facts; no
    content check and no re-gather without a fact, so a write through ``.data`` must be announced.
    The version counters stay facts: the in-place ops that move them go through the DTensor
    parameters, which every rank runs (SPMD, as FSDP2 assumes), so every rank sees them move --
    the wrapper's counter moves even on a rank whose local piece is empty. No collective agrees on
-   them any more (it was a blocking gloo all-reduce per forward): a write to the local shards of
+   them (that would be a blocking gloo all-reduce per forward): a write to the local shards of
    some ranks only must be announced on every rank with ``mark_weights_changed()``. The same mode
    serves ``no_shard`` groups that compute with the main weights' own memory (nothing to
    re-gather).
@@ -68,6 +75,9 @@ __all__ = ["agree_on_gathers", "fingerprint", "fingerprints", "watch", "WatchMod
 logger = logging.getLogger(__name__)
 
 _groups: "weakref.WeakSet" = weakref.WeakSet()
+
+# Grad-enabled root forwards in a row with a common fact from which a gather takes no fingerprint.
+BASELINE_STREAK = 3
 _hook_handle = None
 
 # Columns of the (rows, columns) view the fingerprint weights by position.
@@ -263,12 +273,27 @@ def agree_on_gathers(ctx) -> None:
       amax, in the same all-reduce. The scales stay on the device (no host read).
     """
     checked = []
+    grad = torch.is_grad_enabled()
     for s in ctx.states:
         for g in s.groups:
-            if not g.persistent or g.changed:
-                continue  # a common fact (or ZeRO-3): nothing to decide
+            if not g.persistent:
+                continue  # ZeRO-3: gathers every time
+            # The fingerprint a gather takes serves only a later forward without a common fact:
+            # a micro-batch of gradient accumulation (the run of forwards after a fact never
+            # passes one) or an evaluation pass (under no_grad). A run of grad-enabled forwards
+            # that each followed a fact (one forward per optimizer step) predicts that the next
+            # one does too: from the third, the gather skips it. A forward without a fact that
+            # then finds none re-gathers, as FSDP2 does every forward, and its gather takes one
+            # for the forwards after it. Facts every rank shares only (the grad mode too, SPMD):
+            # every rank predicts alike, so whether a group holds a fingerprint is common.
+            g.fact_streak = g.fact_streak + 1 if g.changed else 0
+            g.wants_baseline = g.fact_streak < BASELINE_STREAK or not grad
+            if g.changed:
+                continue  # a common fact: nothing to decide
             mode = watch_mode(g)
-            if mode is WatchMode.CONTENT:
+            if mode is WatchMode.CONTENT and not g.has_baseline:
+                g.agreed_stale = True  # nothing to compare with: re-gather, no agreement needed
+            elif mode is WatchMode.CONTENT:
                 checked.append(g)
             else:
                 g.agreed_stale = mode is WatchMode.REGATHER or g.host_changed()

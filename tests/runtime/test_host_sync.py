@@ -302,3 +302,71 @@ def test_forwards_without_a_step(synchronising):
                     assert r == reads_cpu and ar == (NO_FACT[name][0] != "no_shard") and ag == 0, where
             r, ar, _ = counts["eval"][0]
             assert r == 0 and ar == 0, where
+
+
+# -- the fingerprint a gather takes, predicted from the common facts -----------------------------
+def _fingerprint_prediction(rank, ws):
+    """ZeRO-2 on a CPU mesh (the content check's policy): after each forward, how many groups
+    hold a fingerprint, the all-reduces and all-gathers of the forward, and its output's error
+    against the unsharded model with the current weights. Five training steps, then four
+    micro-batches without a step (a ``.data`` write before the second and third), then a step
+    and two eval passes (a write before the second)."""
+    model = build("net").to(torch.float64)
+    mesh = init_device_mesh("cpu", (ws,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, sharding_strategy="optim_grads")
+    fully_shard(model, mesh=mesh, sharding_strategy="optim_grads")
+    groups = [g for m in model.modules() if getattr(m, "_mfsdp2_state", None) is not None
+              for g in m._mfsdp2_state.groups]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = batch(0, 8, 12)
+    x, y = x.double()[rank * 4 : rank * 4 + 4], y.double()[rank * 4 : rank * 4 + 4]
+
+    def forward(write: bool, grad: bool):
+        if write:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.data.mul_(0.5)  # bumps no version counter: only a content check or a re-gather sees it
+        ref = build("net").to(torch.float64)
+        ref.load_state_dict({k: p.full_tensor() for k, p in model.named_parameters()})
+        with torch.set_grad_enabled(grad), Collectives() as coll:
+            out = model(x)
+        with torch.no_grad():
+            err = (out - ref(x)).abs().max().item()
+        seen.append((sum(g.has_baseline for g in groups), coll.all_reduce, coll.all_gather, err))
+        return out
+
+    seen: list = []
+    for _ in range(5):
+        loss_fn(forward(False, True), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for write in (False, True, True, False):
+        loss_fn(forward(write, True), y).backward()
+    opt.step()
+    opt.zero_grad()
+    forward(False, False)
+    forward(True, False)
+    return seen, len(groups)
+
+
+def test_fingerprints_follow_the_forwards_that_read_them():
+    """A gather fingerprints the main shards only for a later forward without a common fact;
+    with one grad-enabled forward per optimizer step none comes. From the third such forward
+    in a row the gathers take none. The first micro-batch after the last of them (a fact: it
+    re-gathers) takes none either; the second (no fact) finds none, re-gathers with no
+    agreement (no all-reduce), sees the ``.data`` write, and takes the fingerprints the later
+    ones compare with (one all-reduce of the flags each): the third sees the next write, the
+    fourth that nothing changed (no gather). An eval pass (no_grad) after a step takes them, so
+    the next eval pass compares and sees a write."""
+    for rank, (seen, n) in enumerate(run_ranks(_fingerprint_prediction, 2)):
+        where = f"rank {rank}: (fingerprints held, all-reduces, all-gathers, error) per forward {seen}"
+        assert n > 1 and all(err < 1e-12 for *_, err in seen), where
+        held = [h for h, *_ in seen]
+        assert held == [n, n, 0, 0, 0, 0, n, n, n, n, n], where
+        gathers = seen[1][2]  # one bucket (the first forward, with no recorded order, one per unit)
+        assert gathers >= 1 and all(ag == gathers for _, _, ag, _ in seen[1:8]), where
+        assert [ar for _, ar, _, _ in seen[:8]] == [0] * 7 + [1], where
+        assert seen[8][1:3] == (1, 0), where  # compares, nothing changed: no gather
+        assert seen[9][1:3] == (0, gathers), where  # after a step: a fact
+        assert seen[10][1:3] == (1, gathers), where  # compares, sees the write
