@@ -28,10 +28,12 @@ rank makes the same plan and issues the same collectives in the same order.
 
 A bucket's all-gather input is its members' shards side by side; its output (an allocator block,
 role ``"gather_bucket"``) is laid out rank-major, ``[rank 0: A, B, ...][rank 1: A, B, ...]``, so a
-member's rows are one strided ``(world size, shard)`` block of it, copied into the group's
-persistent buffer when the member is waited on (:class:`MemberGather`; a sharded group's buffer
-gets its allocator block when its unit takes the member's handle, as its own gather would). The block goes back to
-the allocator once every member was copied out. At most :attr:`GatherBuckets.max_in_flight`
+member's rows are one strided ``(world size, shard)`` block of it. The bucket's first wait
+(:class:`MemberGather`) copies every member that has a buffer to fill -- persistent groups, and
+sharded groups whose units took their handles (such a buffer gets its allocator block then, as its
+own gather would) -- in one batched copy, and those members are done: their units unshard on the
+fast path. A sharded member taken later is copied at its own wait. The block goes back to the
+allocator once every member was copied out. At most :attr:`GatherBuckets.max_in_flight`
 buckets hold blocks at a time: the next is issued when one is emptied (program order, the same on
 every rank). A member waited on before its bucket was issued (the forward order changed) issues
 it -- and every bucket before it -- first, so no wait ever blocks on a collective never started.
@@ -71,7 +73,7 @@ class _Bucket:
     """Several units' persistent groups gathered by one all-gather."""
 
     __slots__ = ("index", "comm", "dtype", "device", "members", "offsets", "total", "key", "block",
-                 "handle", "remaining", "label")
+                 "handle", "remaining", "label", "collected")
 
     def __init__(self, index: int, members: list, root_name: str, step: int):
         g0 = members[0]
@@ -90,6 +92,7 @@ class _Bucket:
         self.block: Optional[torch.Tensor] = None
         self.handle: Optional[CommHandle] = None  # None until issued
         self.remaining: dict = {}  # id(group) -> its MemberGather, until copied out
+        self.collected = False  # its first wait copied out every member that had a buffer
         kind = "persistent-weight" if g0.persistent else "sharded-weight"
         self.label = (f"all-gather of {kind} bucket {index} ({len(members)} groups, "
                       f"{members[0].name} .. {members[-1].name}, step {step})")
@@ -232,16 +235,33 @@ class GatherBuckets:
         self.issued_count += 1
 
     def collect(self, m: MemberGather) -> None:
-        """``m``'s bucket was waited: copy its rows out; free the block after the last member. A
-        sharded group's rows go into its unsharded buffer when its unit took them (the buffer was
-        given its block then); a unit that never asked (it did not run) gets none."""
-        b, g = m.bucket, m.group
-        if g.persistent or g.weights.is_unsharded:
+        """``m``'s bucket was waited: copy rows out; free the block after the last member. The
+        bucket's first wait copies out the rows of every member that has a buffer to fill, in
+        one batched copy, and those members are done: a bucket serves dozens of small units,
+        and a copy each (with its grad-mode and functorch guards) plus each unit's general
+        gather path cost more host time than the bytes. A unit whose group is done unshards on
+        the fast path (:func:`mfsdp2.runtime.unshard.nothing_to_gather`); one written again since
+        the bucket was issued is stale and re-gathers on its own, as it would have if its rows
+        had been copied at its own wait. Persistent groups always have a buffer; a sharded
+        group's rows go into its unsharded buffer once its unit took them (the buffer was given
+        its block then), at its own wait when that comes later; a unit that never asked (it did
+        not run) gets none."""
+        b = m.bucket
+        if b.collected:
+            members = [m]
+            placed = members if _has_buffer(m.group) else []
+        else:
+            b.collected = True
+            placed = [x for x in b.remaining.values() if _has_buffer(x.group)]
+            members = placed if m in placed else placed + [m]
+        if placed:
             # As a unit's own gather: outside grad mode and torch.func's transforms (the rows are
-            # written into a buffer a transformed function captured).
+            # written into buffers a transformed function captured).
             with torch.no_grad(), torch._C._DisableFuncTorch():
-                g.weights.place_rows(b.rows(m.index))
-        self._done(m)
+                torch._foreach_copy_([x.group.weights.rows_view() for x in placed],
+                                     [b.rows(x.index) for x in placed])
+        for x in members:
+            self._done(x)
         if not b.remaining:
             self.allocator.free(b.key)
             b.block = None
@@ -314,6 +334,11 @@ DEFAULT_TRANSIENT_CAP_BYTES = 0
 # unit waits for its whole bucket). Measured on the Llama demo (ZeRO-2, units of a few MiB,
 # world size 2, gloo): 1.06-1.12x tuned FSDP2's step with its units bucketed, 0.90-0.91x alone.
 SMALL_GATHER_BYTES = 1 << 20
+
+
+def _has_buffer(g: Group) -> bool:
+    """A member whose rows can be copied out now: persistent, or sharded and gathered by its unit."""
+    return g.persistent or g.weights.is_unsharded
 
 
 def _bucketable(g: Group, cap_bytes: int) -> bool:

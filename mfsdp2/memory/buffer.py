@@ -258,7 +258,12 @@ class DataParallelBuffer:
         """Fill the unsharded buffer from ``rows`` (``(world size, shard numel)``, row ``q`` =
         rank ``q``'s shard): a gather shared with other groups (:mod:`mfsdp2.groups.gather_buckets`)
         delivers this buffer's shards as one strided block of its output."""
-        self._writer.view(self.layout.world_size, self.layout.shard_numel).copy_(rows)
+        self.rows_view().copy_(rows)
+
+    def rows_view(self) -> torch.Tensor:
+        """The unsharded buffer as ``(world size, shard numel)``: where :meth:`place_rows` writes
+        (a caller filling many buffers at once copies into these in one batch)."""
+        return self._writer.view(self.layout.world_size, self.layout.shard_numel)
 
     # -- partial reshard (reshard_after_forward=<int>) -------------------------------------------
     # With groups of ``k`` consecutive ranks, rank ``r`` (local index ``l = r % k``) keeps the

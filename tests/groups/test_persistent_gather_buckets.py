@@ -288,6 +288,45 @@ def test_bitwise_against_per_unit_gathers():
     run_ranks(_bitwise_run, 2)
 
 
+# -- a write during the forward, after the bucket placed its members ---------------------------
+def _announced_write_run(rank, ws, strategy):
+    """Bucketed (every unit in one bucket) and per-unit gathers: a forward pre-hook of layer 1
+    (after the bucket's first wait, at the input unit, placed every member) halves layer 6's
+    weight in place and announces it. Layer 6 must compute with the halved weight."""
+    mesh = init_device_mesh("cpu", (ws,))
+    out = {}
+    for cap in (64.0, 0.0):
+        model = _shard(_build(), mesh=mesh, sharding_strategy=strategy)
+        model.set_all_reduce_bucket_cap_mb(cap)
+        target = model.layers[6]
+
+        def halve_layer_6(module, args):
+            with torch.no_grad():
+                target.weight.mul_(0.5)
+            target.mark_weights_changed()  # every rank; a persistent group reads no counter mid-forward
+
+        model.layers[1].register_forward_pre_hook(halve_layer_6)
+        opt = make_opt("adamw", model.parameters())
+        losses = []
+        for step in range(4):
+            x, y = batch(step, GLOBAL_BATCH, D, dtype=F64)
+            n = GLOBAL_BATCH // ws
+            loss = loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[cap] = (losses, {k: p.full_tensor().clone() for k, p in model.named_parameters()})
+    assert out[64.0][0] == out[0.0][0], (strategy, out[64.0][0], out[0.0][0])
+    assert all(torch.equal(out[64.0][1][k], out[0.0][1][k]) for k in out[0.0][1]), strategy
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
+def test_announced_write_after_the_bucket_placed_its_members_is_gathered_afresh(strategy):
+    assert all(run_ranks(_announced_write_run, 2, strategy))
+
+
 # -- the tiny benchmark's shape: collective counts ---------------------------------------------
 class Tiny(nn.Module):
     def __init__(self, n: int, d: int = 16):

@@ -2,8 +2,9 @@
 steps) unshard without the gather machinery (``mfsdp2.runtime.unshard.nothing_to_gather``).
 
 * Counted at two ranks on a stack of small units: a steady-state step (forward, backward,
-  optimizer step) calls ``ParameterGroup.unshard`` once per ZeRO-1/2 group -- the forward's
-  re-gather after the step -- and never for a ``no_shard`` group, whose module computes with the
+  optimizer step) calls ``ParameterGroup.unshard`` only for the ZeRO-1/2 units that ask before
+  the forward's re-gather after the step (one bucket for all) is first waited -- every member is
+  placed then -- and never for a ``no_shard`` group, whose module computes with the
   main weights' own memory (the step wrote what it reads); a micro-batch without a step (nothing
   changed: the CPU's content check agrees nothing is stale) calls it never; no ``ag_issue`` event
   is recorded in either backward. The general path asks every group again in each forward.
@@ -97,7 +98,10 @@ def test_persistent_units_skip_the_gather_path(strategy):
     for r, (f, s) in enumerate(zip(fast, slow)):
         # Pass i runs after pass i-1: even passes follow a micro-batch (no step), odd ones a step.
         assert f["micro_calls"] == [0] * len(f["micro_calls"]), (strategy, r, f["micro_calls"])
-        assert f["step_calls"] == [groups] * len(f["step_calls"]), (strategy, r, f["step_calls"])
+        # After a step the groups re-gather in one shared bucket (six small units, default cap),
+        # whose first wait places every member: only the units that ask before it -- the first and
+        # the one it prefetches -- call unshard; the rest take the fast path.
+        assert all(c == min(groups, 2) for c in f["step_calls"]), (strategy, r, f["step_calls"])
         assert f["bwd_ag_issue"] == [0] * len(f["bwd_ag_issue"]), (strategy, r, f["bwd_ag_issue"])
         # The general path asks every group again in each forward (the units stay gathered to
         # their backward, so backward asks none on either path): strictly more calls.
