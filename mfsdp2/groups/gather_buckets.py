@@ -227,10 +227,12 @@ class GatherBuckets:
             mine = b.block[r * T : (r + 1) * T]
             checked = [g for g in b.members if g.wants_baseline and watch_mode(g) is WatchMode.CONTENT]
             fps = dict(zip(map(id, checked), fingerprints([g.main_weight for g in checked])))
-            for g, off in zip(b.members, b.offsets):
+            shards = []
+            for g in b.members:
                 g.begin_gather(fps.get(id(g)))  # cast main -> model shard, clear the flags, fingerprint
                 g.weights.take_shard()  # offloaded: the current stream reads what the copy-in stream wrote
-                mine[off : off + g.layout.shard_numel].copy_(g.weights.shard)
+                shards.append(g.weights.shard.view(-1))
+            torch.cat(shards, out=mine)  # the members' shards side by side, at their offsets: one copy
             b.handle = b.comm.all_gather(b.block, mine, b.label)
         self.issued_count += 1
 
