@@ -69,7 +69,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..base.markers import reads_no_params
 from ..comm.communicator import device_ints
 
-__all__ = ["agree_on_gathers", "fingerprint", "fingerprints", "watch", "WatchMode", "watch_mode",
+__all__ = ["agree_on_gathers", "fingerprint", "fingerprints", "forward_ended", "watch", "WatchMode", "watch_mode",
            "host_read_synchronises", "set_host_read_synchronises"]
 
 logger = logging.getLogger(__name__)
@@ -317,6 +317,17 @@ def agree_on_gathers(ctx) -> None:
         for g, f in zip(checked, vec[: len(checked)].tolist()):  # host memory: a plain read
             g.agreed_stale = f > 0
     agree_scales(fp8, vec, len(checked))
+
+
+def forward_ended(ctx) -> None:
+    """The root's forward ended (``ctx``: its RootContext): the prediction of
+    :func:`agree_on_gathers` covered the gathers of that forward only. A gather before the next
+    root forward (an explicit ``unshard()``, a prefetch the user issues) consumes the step's fact,
+    so the forward after it has none and compares content: such a gather takes the fingerprint
+    (without one that forward would re-gather what was just gathered)."""
+    for s in ctx.states:
+        for g in s.groups:
+            g.wants_baseline = True
 
 
 def _all_reduce_max_per_mesh(vec: torch.Tensor, groups: list, sizes: list[int], label: str) -> None:

@@ -370,3 +370,57 @@ def test_fingerprints_follow_the_forwards_that_read_them():
         assert seen[8][1:3] == (1, 0), where  # compares, nothing changed: no gather
         assert seen[9][1:3] == (0, gathers), where  # after a step: a fact
         assert seen[10][1:3] == (1, gathers), where  # compares, sees the write
+
+
+def _explicit_unshards(rank, ws):
+    """ZeRO-2 on a CPU mesh, the blocks unsharded explicitly before each forward (a user's
+    prefetch) from the fifth step: the elements each forward all-gathers, and its error against
+    the current weights."""
+    from mfsdp2.comm.communicator import Communicator
+
+    gathered = [0]
+    orig = Communicator.all_gather
+
+    def counting(comm, out_, inp, *a, **k):
+        gathered[0] += out_.numel() if comm.world_size > 1 else 0
+        return orig(comm, out_, inp, *a, **k)
+
+    model = build("net").to(torch.float64)
+    mesh = init_device_mesh("cpu", (ws,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, sharding_strategy="optim_grads")
+    fully_shard(model, mesh=mesh, sharding_strategy="optim_grads")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = batch(0, 8, 12)
+    x, y = x.double()[rank * 4 : rank * 4 + 4], y.double()[rank * 4 : rank * 4 + 4]
+    out = []
+    for step in range(7):
+        ref = build("net").to(torch.float64)
+        ref.load_state_dict({k: p.full_tensor() for k, p in model.named_parameters()})
+        if step >= 4:  # after a run of steps whose forwards took no fingerprints
+            for b in model.blocks:
+                b.unshard()
+        gathered[0] = 0
+        Communicator.all_gather = counting
+        try:
+            y_hat = model(x)
+        finally:
+            Communicator.all_gather = orig
+        with torch.no_grad():
+            err = (y_hat - ref(x)).abs().max().item()
+        out.append((gathered[0], err))
+        loss_fn(y_hat, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def test_a_gather_between_forwards_takes_its_fingerprint():
+    """An explicit ``unshard()`` after a step gathers the stepped weights and consumes the step's
+    fact, so the forward after it compares content: the gather takes its fingerprint even after
+    a run of forwards that took none, and that forward gathers nothing more for the blocks (the
+    first such step as the later ones: fewer elements than the forwards that gather them)."""
+    for rank, out in enumerate(run_ranks(_explicit_unshards, 2)):
+        assert all(err < 1e-12 for _, err in out), (rank, out)
+        elements = [n for n, _ in out]
+        assert elements[4] == elements[5] == elements[6] < elements[3] == elements[2], (rank, elements)
