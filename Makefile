@@ -22,6 +22,12 @@ $(STAMP): setup.py constraints.txt
 # build is not an error: mfsdp2 then runs the PyTorch reference of each kernel (mfsdp2/precision/native.py).
 native: $(NATIVE)
 
+# The stamp says the build ran; the library itself is an untracked file (`git clean` removes it
+# and leaves the venv): no library, no stamp, so the next target that needs it builds again.
+ifeq ($(wildcard mfsdp2/_native*.so),)
+$(shell rm -f $(NATIVE))
+endif
+
 $(NATIVE): $(STAMP) $(wildcard csrc/*)
 	@if $(PY) setup.py -q build_ext --inplace; then touch $(NATIVE); \
 	else echo "mfsdp2: native kernels not built; the PyTorch reference paths will be used"; fi
