@@ -307,15 +307,7 @@ def _announced_write_run(rank, ws, strategy):
 
         model.layers[1].register_forward_pre_hook(halve_layer_6)
         opt = make_opt("adamw", model.parameters())
-        losses = []
-        for step in range(4):
-            x, y = batch(step, GLOBAL_BATCH, D, dtype=F64)
-            n = GLOBAL_BATCH // ws
-            loss = loss_fn(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = [sharded_train_step(model, opt, step, rank, ws, GLOBAL_BATCH) for step in range(4)]
         out[cap] = (losses, {k: p.full_tensor().clone() for k, p in model.named_parameters()})
     assert out[64.0][0] == out[0.0][0], (strategy, out[64.0][0], out[0.0][0])
     assert all(torch.equal(out[64.0][1][k], out[0.0][1][k]) for k in out[0.0][1]), strategy
