@@ -16,6 +16,7 @@ that path were taken where it must not be, or changed a result:
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import pytest
@@ -54,6 +55,23 @@ def _alias(g, hold: str):
     return g._local_tensor[1:]
 
 
+def _let_gloo_release(storage, settle_s: float = 0.02, limit_s: float = 2.0) -> None:
+    """Give gloo's worker thread its moment: it lets go of a collective's tensors after the wait
+    returned, and on a loaded machine (the suite's two workers, each with its ranks, on two
+    cores) not necessarily before the next forward's release, which then (safely) frees the
+    memory instead of emptying it in place. Wait until torch's count of ``storage``'s holders
+    stayed the same for ``settle_s``, at most ``limit_s``."""
+    from mfsdp2.base.compat import storage_use_count
+
+    end = time.monotonic() + limit_s
+    last, since = storage_use_count(storage), time.monotonic()
+    while time.monotonic() < end and time.monotonic() - since < settle_s:
+        time.sleep(0.002)
+        now = storage_use_count(storage)
+        if now != last:
+            last, since = now, time.monotonic()
+
+
 def _train(rank, ws, strategy, emptied, hold, allocator=None, resize_devices=None):
     if not emptied:  # the reference: drop the main gradient and allocate a new one each step
         MainGradient._empty_main_grad = lambda self: False
@@ -85,6 +103,8 @@ def _train(rank, ws, strategy, emptied, hold, allocator=None, resize_devices=Non
 
     model.blocks[0].register_forward_hook(in_forward)
     for step in range(STEPS):
+        if ws > 1 and group.main_grad is not None:
+            _let_gloo_release(group.main_grad.untyped_storage())
         loss = model(torch.randn(8, D, dtype=torch.float64, generator=gen)).square().mean()
         loss.backward()
         out["losses"].append(loss.item())
