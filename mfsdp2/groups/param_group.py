@@ -211,8 +211,9 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         # An optimizer step or an announced write since the last gather (the same on every rank).
         self.changed = True
         self._gathered_fp: Optional[torch.Tensor] = None  # fingerprint of the main shard at the last gather
-        # Whether the next gather takes that fingerprint, and how many root forwards in a row
-        # had a common fact (weight_watch.agree_on_gathers predicts the one from the other).
+        # Whether the next gather takes that fingerprint (the root forward's prediction, consumed
+        # by the gather it plans), and how many root forwards in a row had a common fact
+        # (weight_watch.agree_on_gathers predicts the one from the other).
         self.wants_baseline = True
         self.fact_streak = 0
         # Persistent weights planned into a cross-unit gather bucket at the root's forward

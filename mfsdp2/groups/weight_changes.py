@@ -100,7 +100,10 @@ class WeightChanges:
         # one, so a later switch to the check starts from "unknown" (a re-gather), never from a
         # fingerprint of older weights.
         self._gathered_fp = None
-        if self.persistent and self.wants_baseline and watch_mode(self) is WatchMode.CONTENT:
+        # The root forward's prediction covers the one gather it planned: a later one (an
+        # explicit ``unshard()`` between forwards, which consumes the step's fact) takes one.
+        wants, self.wants_baseline = self.wants_baseline, True
+        if self.persistent and wants and watch_mode(self) is WatchMode.CONTENT:
             self._gathered_fp = fp if fp is not None else fingerprint(self.main_weight)
 
     @property

@@ -69,7 +69,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..base.markers import reads_no_params
 from ..comm.communicator import device_ints
 
-__all__ = ["agree_on_gathers", "fingerprint", "fingerprints", "forward_ended", "watch", "WatchMode", "watch_mode",
+__all__ = ["agree_on_gathers", "fingerprint", "fingerprints", "watch", "WatchMode", "watch_mode",
            "host_read_synchronises", "set_host_read_synchronises"]
 
 logger = logging.getLogger(__name__)
@@ -282,21 +282,22 @@ def agree_on_gathers(ctx) -> None:
             # a micro-batch of gradient accumulation (the run of forwards after a fact never
             # passes one) or an evaluation pass (under no_grad). A run of grad-enabled forwards
             # that each followed a fact (one forward per optimizer step) predicts that the next
-            # one does too: from the third, the gather skips it. A forward without a fact that
-            # then finds none re-gathers, as FSDP2 does every forward, and its gather takes one
-            # for the forwards after it. Facts every rank shares only (the grad mode too, SPMD):
+            # one does too: from the third, the gather this forward plans skips it (the gather
+            # consumes the prediction, begin_gather). A forward without a fact that then finds
+            # none re-gathers, as FSDP2 does every forward, and its gather takes one for the
+            # forwards after it. Facts every rank shares only (the grad mode too, SPMD):
             # every rank predicts alike, so whether a group holds a fingerprint is common.
             g.fact_streak = g.fact_streak + 1 if g.changed else 0
             g.wants_baseline = g.fact_streak < BASELINE_STREAK or not grad
             if g.changed:
                 continue  # a common fact: nothing to decide
             mode = watch_mode(g)
-            if mode is WatchMode.CONTENT and not g.has_baseline:
-                g.agreed_stale = True  # nothing to compare with: re-gather, no agreement needed
-            elif mode is WatchMode.CONTENT:
+            if mode is not WatchMode.CONTENT:
+                g.agreed_stale = mode is WatchMode.REGATHER or g.host_changed()
+            elif g.has_baseline:
                 checked.append(g)
             else:
-                g.agreed_stale = mode is WatchMode.REGATHER or g.host_changed()
+                g.agreed_stale = True  # nothing to compare with: re-gather, no agreement needed
     fp8 = [g for s in ctx.states for g in s.groups if g.fp8 is not None]
     if not checked and not fp8:
         return
@@ -317,17 +318,6 @@ def agree_on_gathers(ctx) -> None:
         for g, f in zip(checked, vec[: len(checked)].tolist()):  # host memory: a plain read
             g.agreed_stale = f > 0
     agree_scales(fp8, vec, len(checked))
-
-
-def forward_ended(ctx) -> None:
-    """The root's forward ended (``ctx``: its RootContext): the prediction of
-    :func:`agree_on_gathers` covered the gathers of that forward only. A gather before the next
-    root forward (an explicit ``unshard()``, a prefetch the user issues) consumes the step's fact,
-    so the forward after it has none and compares content: such a gather takes the fingerprint
-    (without one that forward would re-gather what was just gathered)."""
-    for s in ctx.states:
-        for g in s.groups:
-            g.wants_baseline = True
 
 
 def _all_reduce_max_per_mesh(vec: torch.Tensor, groups: list, sizes: list[int], label: str) -> None:

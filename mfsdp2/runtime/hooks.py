@@ -45,7 +45,7 @@ from .schedule import Schedule
 from ..base.structures import map_tensors, tensors_in
 from .state import FSDPState, RootContext, ShardState, TrainingState, unit_state
 from . import step_guard
-from ..groups.weight_watch import agree_on_gathers, forward_ended
+from ..groups.weight_watch import agree_on_gathers
 from . import param_adoption
 from .unshard import plan_bucketed_gathers, reshard, unshard_async, wait_unshard
 from .step_plan import UnitPlan, plan_of
@@ -259,7 +259,6 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
         ctx.schedule.expect_backward(state)
     if state.is_root:
         ctx.gathers.finish()  # units that did not run get their rows; unissued buckets are dropped
-        forward_ended(ctx)  # gathers before the next root forward take their fingerprints
         ctx.schedule.end_forward(record=grad)
         for s in ctx.states:
             if len(s.modules) > 1 and len(s.forward_to_run) != len(s.modules):
