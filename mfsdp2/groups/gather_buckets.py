@@ -249,21 +249,17 @@ class GatherBuckets:
         its block then), at its own wait when that comes later; a unit that never asked (it did
         not run) gets none."""
         b = m.bucket
-        if b.collected:
-            members = [m]
-            placed = members if _has_buffer(m.group) else []
-        else:
-            b.collected = True
-            placed = [x for x in b.remaining.values() if _has_buffer(x.group)]
-            members = placed if m in placed else placed + [m]
+        placed = [x for x in (b.remaining.values() if not b.collected else (m,)) if _has_buffer(x.group)]
+        b.collected = True
         if placed:
             # As a unit's own gather: outside grad mode and torch.func's transforms (the rows are
             # written into buffers a transformed function captured).
             with torch.no_grad(), torch._C._DisableFuncTorch():
                 torch._foreach_copy_([x.group.weights.rows_view() for x in placed],
                                      [b.rows(x.index) for x in placed])
-        for x in members:
+        for x in placed:
             self._done(x)
+        self._done(m)  # placed, or a unit that never asked: it gets none
         if not b.remaining:
             self.allocator.free(b.key)
             b.block = None
