@@ -86,6 +86,7 @@ class GradientReduction(MainGradient):
     def init_reduction(self, n_params: int) -> None:
         """The reduction's per-group state, before any backward."""
         self.partial: Optional[torch.Tensor] = None  # HSDP shard-group sums awaiting the next all-reduce
+        self._route_memo: Optional[tuple] = None  # (settings, weights' communicator, route): see _route
         self._pending_reduce: Optional[PendingReduction] = None
         # Micro-batches of backwards without gradient sync, summed in the reduce dtype (see
         # accumulate_unsynced), and which parameters they gave a grad.
@@ -143,9 +144,27 @@ class GradientReduction(MainGradient):
     def _reduce_plan(self) -> ReducePlan:
         """The reduce ops and divisions of this group's next reduction: FSDP2's rules for its
         reduce dtype, groups, divide factor and forced sum (:mod:`mfsdp2.groups.reduce_plan`)."""
+        return self._route()[0]
+
+    def _route(self) -> tuple:
+        """``(ReducePlan, bucket communicator or None)`` of the next reduction, remade only when a
+        setting they follow from changed. Why: both run at every unit's post-backward, and on a
+        model of many small units re-deriving them (the plan twice) was a tenth of the hook.
+        What may change after ``fully_shard`` is compared at each use (the divide factor, forced
+        sum, a custom reduce-scatter, the replicas' all-reduce, the reduce dtype, the weights'
+        communicator object); the communicators' sizes and backends do not change. The dynamic
+        conditions (a TE-fused buffer, an HSDP partial sum) stay in :meth:`_bucket_comm`."""
+        key = (self.divide_factor, self.force_sum, self.custom_reduce_scatter, self.requires_all_reduce,
+               self.reduce_dtype)
+        memo = self._route_memo
+        if memo is not None and memo[0] == key and memo[1] is self.weights.comm:
+            return memo[2]
         replicas = self.replicate_comm.world_size if self.replicate_comm is not None else 1
-        return plan_reduction(self.reduce_dtype, self.comm.world_size, replicas, self.divide_factor,
+        plan = plan_reduction(self.reduce_dtype, self.comm.world_size, replicas, self.divide_factor,
                               self.force_sum, self.comm.premul_sum)
+        route = (plan, self._static_bucket_comm(plan))
+        self._route_memo = (key, self.weights.comm, route)
+        return route
 
     def _pack(self, full: torch.Tensor, plan: ReducePlan) -> list[bool]:
         """Copy the unsharded grads into ``full`` (zeros where a parameter has none, and in the
@@ -269,6 +288,10 @@ class GradientReduction(MainGradient):
         with nobody to reduce with."""
         if self.fused_full is not None or self.partial is not None:
             return None
+        return self._route()[1]
+
+    def _static_bucket_comm(self, plan: ReducePlan):
+        """:meth:`_bucket_comm` from the settings alone (``plan``: the reduction's)."""
         if self.comm.world_size > 1:
             # A reduce-scatter (ZeRO-1/2/3) shares a bucket only where it is a whole all-reduce
             # anyway (gloo, small groups; ZeRO-1 thus keeps half an all-reduce's bytes otherwise).
@@ -281,7 +304,7 @@ class GradientReduction(MainGradient):
                 return None
             nbytes = self.layout.total_numel * self.reduce_dtype.itemsize
             # weights.comm: the one the reduce-scatter would go through (a user's custom one included)
-            return self.comm if self.weights.comm.reduce_scatter_is_all_reduce(self._reduce_plan().op, nbytes) else None
+            return self.comm if self.weights.comm.reduce_scatter_is_all_reduce(plan.op, nbytes) else None
         if not self.full_grads:
             return None  # a one-rank shard group of a sharded strategy: reduced by its own path
         if self.replicate_comm is None:
@@ -316,9 +339,10 @@ class GradientReduction(MainGradient):
         self.finish_reduce(allocator)  # one reduction per group in flight
         release_held(self)  # CPU offload: the last output a copy-out read, before its key is reused
         layout = self.layout
-        plan = self._reduce_plan()
+        plan, comm = self._route()
         op, replicate_op = plan.op, plan.replicate_op
-        comm = self._bucket_comm() if buckets is not None and buckets.enabled else None
+        if buckets is None or not buckets.enabled or self.fused_full is not None or self.partial is not None:
+            comm = None  # (as _bucket_comm)
         if comm is not None:
             self._reduce_into_bucket(buckets, comm, op if comm is self.comm else replicate_op, plan, key, label)
             return True
