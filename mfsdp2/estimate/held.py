@@ -1,10 +1,9 @@
 """What the runtime's allocator holds over a replayed step, decided by the allocator itself.
 
-Why not a model of its rules: what the runtime's allocators keep is a policy with state -- main
-gradients and the buckets whose slices are main gradients go back to torch when released; other
-blocks go back at once except, on the CPU, blocks glibc would map afresh, which the caching
-allocator keeps only while its record of the last run of each phase says the step will ask for
-them again; the trace pool plans one pool per phase from a recorded step, re-plans after a
+Why not a model of its rules: what the runtime's allocators keep is a policy with state -- freed
+blocks (main gradients at the next forward) go back at once except, on the CPU, blocks glibc
+would map afresh, which the caching allocator keeps only while its record of the last run of
+each phase says the step will ask for them again; the trace pool plans one pool per phase from a recorded step, re-plans after a
 divergence and gives each pool back at its phase's end (``mfsdp2/allocator.py``, "What is held
 when"; ``mfsdp2/trace_pool.py``). A copy of those rules here would drift from them. So the
 replay drives the runtime's own allocator classes with the step's requests and phase marks, on

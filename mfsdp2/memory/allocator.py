@@ -25,17 +25,20 @@ What is held when (the caching allocator; the trace pool's fallback is one). Mem
 holds idle is memory the step's activations, loss and optimizer cannot use, so a block is held
 only where that costs nothing or giving it back would cost more:
 
-* main gradients, and the all-reduce buckets whose slices are main gradients
-  (:data:`EXACT_ROLES`), go back to torch when released at the next forward: they are dead until
-  the next backward writes them, which obtains them afresh;
-* any other freed block goes back to torch at once -- where torch caches it for the next request,
-  an activation's included (CUDA's caching allocator; malloc's heap on the CPU) -- except on the
+* a freed block goes back to torch at once -- where torch caches it for the next request, an
+  activation's included (CUDA's caching allocator; malloc's heap on the CPU) -- except on the
   CPU a block of :data:`MAP_FRESH_BYTES` or more, which glibc would map afresh with a page fault
   per 4 KiB every time (~16 ms per 32 MiB on the benchmark VM). Those are cached only while the
   step will ask for them again: after each free the cache keeps as many blocks of that size as
   the rest of the phase (forward, backward) and the next phase's opening requests will take, as
   the last run of that phase went (:class:`_Demand`), and at a phase's end as many as the next
   phase asks for before it frees one (``hold_between_steps=False``: none at the end of backward).
+* main gradients, and the all-reduce buckets whose slices are main gradients
+  (:data:`EXACT_ROLES`), follow the same rule: released at the next forward, dead until the
+  next backward writes them, they go back to torch then -- except those big CPU blocks, which
+  the backward asks for again: handing them back re-faulted a no_shard model's whole gradient
+  memory every step (8 units of 33.5 MiB: ~0.3 s of a 0.87 s step), and DDP keeps its buckets
+  for good.
 
 So on CUDA the allocated peak is the step's schedule bound (:mod:`mfsdp2.memory.memory_bound`): nothing
 is held idle. On the CPU big blocks wait idle only across a phase's end for the next phase's first
@@ -437,7 +440,7 @@ class CachingAllocator(BucketAllocator):
         # ``release_idle`` trim what ``_free`` holds): a class ``keeps`` refuses (every CUDA
         # block, small CPU ones) never reaches ``_free``, so its requests need no record.
         kept = self.keeps(device, numel * dtype.itemsize)
-        if kept and role_of(key) not in EXACT_ROLES:
+        if kept:
             self._demand.note(self._key(), cls, +1)
         bucket = self._free.get(cls) if kept else None
         if bucket:
@@ -449,11 +452,11 @@ class CachingAllocator(BucketAllocator):
 
     def standalone(self, key: Hashable, block: torch.Tensor) -> bool:
         # What _release gives back at once; a block taken from the cache is a tensor of its own too.
-        return role_of(key) in EXACT_ROLES or not self.keeps(block.device, block.nbytes)
+        return not self.keeps(block.device, block.nbytes)
 
     def _release(self, key, tensor):
         nbytes = tensor.nbytes
-        if not self.keeps(tensor.device, nbytes) or role_of(key) in EXACT_ROLES:
+        if not self.keeps(tensor.device, nbytes):
             return  # back to torch now
         cls = (tensor.numel(), tensor.dtype, tensor.device)
         self._demand.note(self._key(), cls, -1)

@@ -17,7 +17,7 @@ instead of breaking the training step's):
    of that phase's pool, one per (device, dtype, phase), sized to the largest plan of any kind
    (pools only grow). Not pooled, served by the fallback: buffers that outlive their phase (a pool
    would hold their bytes idle through the other phase), and main gradients and the buckets whose
-   slices are main gradients (:data:`~mfsdp2.memory.allocator.EXACT_ROLES`, given back when released).
+   slices are main gradients (:data:`~mfsdp2.memory.allocator.EXACT_ROLES`, dead from the next forward on).
 3. **replay**: a request that is the next event of the plan gets its planned slot. A pool's memory
    is obtained at its first slot handed out and given back at the end of its phase (on the CPU
    a pool glibc would map afresh is kept when its phase comes next, as the caching allocator

@@ -58,22 +58,38 @@ def _req(a, key, n, device="cpu"):
     return a.allocate(key, n, torch.float32, device)
 
 
-def test_exact_roles_and_non_cpu_blocks_go_back_to_torch_when_freed(monkeypatch):
-    monkeypatch.setattr(A, "MAP_FRESH_BYTES", 0)  # every CPU block would be worth caching
+@pytest.mark.parametrize("fresh", [False, True])
+def test_main_gradients_follow_the_big_block_rule_and_non_cpu_blocks_go_back(monkeypatch, fresh):
+    """Main gradients and buckets, released at each forward and asked for again in backward: where
+    malloc keeps such a block (below ``MAP_FRESH_BYTES``) every release goes back to torch and
+    every request obtains one; where glibc would map it afresh (``fresh``: here all) the cache keeps
+    it from the forward's release to the backward's request, as it keeps any big block the step
+    asks for again (handing it back re-faulted a no_shard model's gradients every step). A device
+    with a caching allocator of its own (meta stands in for CUDA here) is never cached."""
+    if fresh:
+        monkeypatch.setattr(A, "MAP_FRESH_BYTES", 0)
     a = CachingAllocator()
-    for step in range(3):
+    keys = (("main_grad", "u", 0), ("grad_bucket", "x", 0))
+    idle_after_release = []
+    for step in range(4):
         a.mark_step()
-        for key in (("main_grad", "u", 0), ("grad_bucket", "x", 0)):
-            _req(a, key, 256)
-            a.free(key)
-            assert a.idle_bytes() == 0 and a.cached_bytes() == 0, key
-        # A device with a caching allocator of its own (meta stands in for CUDA here): never cached.
+        if step:
+            for key in keys:
+                a.free(key)  # the root's forward releases last step's main gradients
+        idle_after_release.append(a.idle_bytes())
         _req(a, ("weight", "u", 1), 1 << 20, "meta")
         a.free(("weight", "u", 1))
-        assert a.idle_bytes() == 0
         a.release_idle("backward")
+        for key in keys:
+            _req(a, key, 256)  # the backward writes them again
+        assert a.idle_bytes() == 0, (step, key)
         a.release_idle("forward")
-    assert a.stats.underlying_allocations == 3 * 3  # every request obtained from torch
+    if fresh:  # step 0 obtains them (and records what backward opens with); then the kept ones serve
+        assert idle_after_release == [0, 2048, 2048, 2048], idle_after_release
+        assert a.stats.underlying_allocations == 2 + 4, a.stats.underlying_allocations  # + a meta block per step
+    else:
+        assert idle_after_release == [0, 0, 0, 0], idle_after_release
+        assert a.stats.underlying_allocations == 4 * 3, a.stats.underlying_allocations
     monkeypatch.undo()
     assert not A.CachingAllocator().keeps(torch.device("cuda"), 1 << 40)
     assert not A.CachingAllocator().keeps(torch.device("cpu"), A.MAP_FRESH_BYTES - 1)  # malloc keeps those
