@@ -3,13 +3,14 @@
 Why not a model of its rules: what the runtime's allocators keep is a policy with state -- freed
 blocks (main gradients at the next forward) go back at once except, on the CPU, blocks glibc
 would map afresh, which the caching allocator keeps only while its record of the last run of
-each phase says the step will ask for them again; the trace pool plans one pool per phase from a recorded step, re-plans after a
-divergence and gives each pool back at its phase's end (``mfsdp2/allocator.py``, "What is held
-when"; ``mfsdp2/trace_pool.py``). A copy of those rules here would drift from them. So the
-replay drives the runtime's own allocator classes with the step's requests and phase marks, on
-the meta device: every decision is theirs, no byte is allocated, and what they hold at a moment
-is their own count -- live blocks (``stats.live_bytes``) plus what they hold idle
-(``idle_bytes()``), the same two numbers :mod:`mfsdp2.memory.memory_bound` measures a real step with.
+each phase says the step will ask for them again; the trace pool plans one pool per phase from a
+recorded step, re-plans after a divergence and gives each pool back at its phase's end
+(``mfsdp2/allocator.py``, "What is held when"; ``mfsdp2/trace_pool.py``). A copy of those rules
+here would drift from them. So the replay drives the runtime's own allocator classes with the
+step's requests and phase marks, on the meta device: every decision is theirs, no byte is
+allocated, and what they hold at a moment is their own count -- live blocks
+(``stats.live_bytes``) plus what they hold idle (``idle_bytes()``), the same two numbers
+:mod:`mfsdp2.memory.memory_bound` measures a real step with.
 
 The one thing the meta device changes is where a block would live: the caching allocator asks
 ``keeps(device, nbytes)`` of the freed block's device, so the replay's allocator answers for the
