@@ -339,10 +339,9 @@ class GradientReduction(MainGradient):
         self.finish_reduce(allocator)  # one reduction per group in flight
         release_held(self)  # CPU offload: the last output a copy-out read, before its key is reused
         layout = self.layout
-        plan, comm = self._route()
+        plan = self._reduce_plan()
         op, replicate_op = plan.op, plan.replicate_op
-        if buckets is None or not buckets.enabled or self.fused_full is not None or self.partial is not None:
-            comm = None  # (as _bucket_comm)
+        comm = self._bucket_comm() if buckets is not None and buckets.enabled else None
         if comm is not None:
             self._reduce_into_bucket(buckets, comm, op if comm is self.comm else replicate_op, plan, key, label)
             return True
