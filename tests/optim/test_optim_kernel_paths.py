@@ -3,8 +3,9 @@ against torch's for-loop AdamW bit for bit (NaNs compared as NaN), float32 and f
 
 Underflowing ``exp_avg_sq``: square-root inputs that are +0, positive subnormals and normals side
 by side. MKL's VML square root (torch's CPU ``sqrt``) takes +0 and subnormals on a slow path, so
-the kernel's square-root mode 2 hands VML a 1 in their place and takes their IEEE roots itself
-(MKL's roots of them being IEEE's: the probe checks, and these cases check again on this machine).
+the kernel's square-root mode 2 hands VML a 1 in their place and takes their IEEE roots itself --
+where MKL's roots of them are IEEE's, which holds on some CPUs and not on others: the probe
+checks, drops mode 2 where they are not, and these cases check the mode it kept on this machine.
 Small gradients -- vanishing ones in deep stacks, rows that get none and decay -- make such inputs
 common; the random tests draw gradients whose squares stay normal. Lengths straddle the vector
 tails and the kernel's 2048-element blocks, and each block holds both kinds, so the update's two
@@ -74,7 +75,8 @@ def _kinds(x: torch.Tensor) -> tuple[bool, bool, bool]:
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["wd", "amsgrad", "amsgrad-maximize-small-beta"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 def test_mkl_sqrt_modes_match_torch_on_underflowing_moments(dtype, cfg):
-    """Modes 1 (VML's root everywhere) and 2 (IEEE's for +0 and subnormals) both give torch's bits."""
+    """Mode 1 (VML's root everywhere) gives torch's bits, and so does mode 2 (IEEE's for +0 and
+    subnormals) where the probe kept it."""
     if not kernel._module().has_vml_sqrt() or not ARITH[2]:
         pytest.skip("torch's sqrt is not MKL's here: only the IEEE mode applies (tested below)")
     gen = torch.Generator().manual_seed(7)
@@ -83,7 +85,7 @@ def test_mkl_sqrt_modes_match_torch_on_underflowing_moments(dtype, cfg):
     opt = torch.optim.AdamW(ref, foreach=False, **cfg)
     total = sum(SIZES)
     ours = {mode: [torch.cat(start)] + [torch.zeros(total, dtype=dtype) for _ in range(3)] + [torch.zeros(len(SIZES))]
-            for mode in (1, 2)}
+            for mode in ((1, 2) if ARITH[2] == 2 else (1,))}
     seen = [False, False, False]
     for s in range(4):
         grads = _grads(gen, dtype, s)
@@ -126,6 +128,25 @@ def test_ieee_sqrt_mode_on_underflowing_moments(dtype, cfg):
     assert _kinds(src) == (True, True, True)
     for k, got in enumerate((flat, m, v, vmax) if cfg["amsgrad"] else (flat, m, v)):
         assert kernel._same_bits(got, torch.cat([r[k] for r in ref])), k
+
+
+@needs_native
+def test_probe_keeps_mode_2_only_where_vml_roots_of_subnormals_are_ieee(monkeypatch):
+    """The roots compared here with IEEE's (numpy's, a correctly rounded instruction) decide
+    whether mode 2 may be chosen on this machine; and a probe told they are not never chooses it."""
+    import numpy as np
+
+    if not kernel._module().has_vml_sqrt():
+        pytest.skip("torch's sqrt is not MKL's here: the IEEE mode only")
+    gen = torch.Generator().manual_seed(5)
+    ieee = True
+    for dtype in (torch.float32, torch.float64):
+        x = (torch.rand(8191, generator=gen, dtype=torch.float64) * torch.finfo(dtype).tiny).to(dtype)
+        ieee = ieee and torch.equal(torch.sqrt(x), torch.from_numpy(np.sqrt(x.numpy())))
+    if not ieee:
+        assert ARITH[2] != 2, ARITH
+    monkeypatch.setattr(kernel, "_subnormal_roots_are_ieee", lambda: False)
+    assert kernel._probe(kernel._module())[2] != 2
 
 
 @needs_native
