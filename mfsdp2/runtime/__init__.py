@@ -1,6 +1,7 @@
 """The step lifecycle: what runs around every forward, backward and optimizer step.
 
-Owns the forward / backward hooks (``hooks``) and the end of backward driven from outside
+Owns the forward / backward hooks (``hooks``, ``backward``; which of them a unit's outputs
+get: ``output_hooks``) and the end of backward driven from outside
 autograd (``external_backward``: a pipeline schedule's REDUCE_GRAD), the recorded module order
 and the prefetch schedule built from it (``schedule``), each unit's steady-state decisions
 (``step_plan``), the per-unit and per-step state

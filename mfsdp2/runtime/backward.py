@@ -88,10 +88,7 @@ def _pre_backward(state: FSDPState, need_weights: Optional[bool] = None) -> None
         need_weights = state.unshard_in_backward
     ctx = state.ctx
     if not ctx.callback_queued:
-        ctx.callback_queued = True
-        Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))
-        with torch._C._DisableFuncTorch():
-            plan_bucketed_gathers(ctx, backward=True)
+        _queue_final_callback(ctx)
     state.training_state = TrainingState.PRE_BACKWARD
     prefetch = ctx.schedule.on_backward(state)
     if need_weights:
@@ -108,16 +105,28 @@ def _pre_backward(state: FSDPState, need_weights: Optional[bool] = None) -> None
     event_log.record("backward_begin", state.name)
 
 
+def _queue_final_callback(ctx: RootContext) -> None:
+    """Once per backward, at the first unit it reaches: the root's final callback, and the
+    backward's bucketed gathers."""
+    ctx.callback_queued = True
+    Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))
+    with torch._C._DisableFuncTorch():
+        plan_bucketed_gathers(ctx, backward=True)
+
+
 class _ForwardPass:
     """One grad-enabled forward pass of a unit: how many of its modules' ``_PostBackward`` are
     still to run, and whether the module that opened the pass threaded its inputs (if not, its
-    backward is not observable: the final callback reduces the unit, as FSDP2's does)."""
+    backward is not observable: the final callback reduces the unit, as FSDP2's does). ``then``:
+    the unit whose one output is this pass's input and whose pre-backward the pass's
+    ``_PostBackward`` runs in place of an output hook (:mod:`mfsdp2.runtime.output_hooks`)."""
 
-    __slots__ = ("pending", "opened")
+    __slots__ = ("pending", "opened", "then")
 
     def __init__(self, opened: bool):
         self.pending = 0
         self.opened = opened
+        self.then = None
 
 
 class _PostBackward(torch.autograd.Function):
@@ -153,10 +162,16 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         fp = ctx.fwd_pass
+        if not ctx.state.ctx.callback_queued:
+            # A backward that reached no hooked output first (it started at an output a unit
+            # left to the next unit's input function): its reductions still need the callback.
+            _queue_final_callback(ctx.state.ctx)
         fp.pending -= 1
         if fp.pending == 0 and fp.opened:
             ctx.state.open_passes -= 1
             _run_post_backward(ctx.state)
+        if fp.then is not None:  # the producing unit's pre-backward: its output's gradient is this one
+            _pre_backward_hook(fp.then)
         return (None, None) + grads
 
     @staticmethod

@@ -8,14 +8,17 @@ final backward callback. The forward half and the root's set-up live here; the g
   its backward is done.
 * **post-forward** (module forward hook): reshard (unless ``reshard_after_forward=False``, the
   root's default: backward needs it first); hook the outputs so the unit unshards before its
-  backward runs, and tell the schedule a backward will come. A forward that runs *inside*
+  backward runs (:mod:`mfsdp2.runtime.output_hooks`: a unit whose backward gathers nothing and
+  whose one output the next unit takes as its input has that unit's input function run its
+  pre-backward instead), and tell the schedule a backward will come. A forward that runs *inside*
   backward is an activation-checkpoint recompute: it neither reshards nor re-registers hooks, and
   is not recorded in the schedule. One exception: a unit whose forward ran under ``no_grad`` (a
   *reentrant* checkpoint around the whole unit runs it so) has no hooked outputs; its grad-enabled
   recompute in backward is where its backward starts, so that recompute does the pre-backward
   work and threads its inputs through :class:`_PostBackward` (the checkpoint's inner backward then
   runs the post-backward).
-* **pre-backward** (multi-grad hook on the outputs, mode "any"): queue the root's final callback
+* **pre-backward** (a tensor hook on the one output, a multi-grad hook in mode "any" on several,
+  or the next unit's :class:`_PostBackward`): queue the root's final callback
   once per backward, unshard this unit and prefetch the next units of the predicted backward
   order (see :mod:`mfsdp2.runtime.schedule`).
 * **root's pre-forward** additionally releases cleared main grads and, when some groups keep
@@ -49,7 +52,8 @@ from ..groups.weight_watch import agree_on_gathers
 from . import param_adoption
 from .unshard import plan_bucketed_gathers, reshard, unshard_async, wait_unshard
 from .step_plan import UnitPlan, plan_of
-from .backward import _ForwardPass, _PostBackward, _in_backward, _pre_backward, _pre_backward_hook
+from .backward import _ForwardPass, _PostBackward, _in_backward, _pre_backward
+from .output_hooks import hook_outputs, settle_pending, take_pending
 
 __all__ = ["pre_forward", "post_forward", "lazy_init", "reset"]
 
@@ -133,6 +137,8 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     # reentrant checkpoint around the unit ran its forward under no_grad, and this recompute
     # followed by the checkpoint's inner backward *is* the unit's backward.
     backward_recompute = recompute and grad and not state.forward_with_grad
+    # The previous unit's output, if this unit's input function will run its pre-backward.
+    chained = take_pending(ctx, state, args, kwargs, grad and not recompute)
     if backward_recompute:
         state.backward_via_recompute = True  # learned: predict this unit's backward from now on
         _pre_backward(state, need_weights=True)  # the recompute itself computes with them
@@ -175,6 +181,8 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
             state.open_passes += state.forward_pass.opened
         if needing:
             state.forward_pass.pending += 1
+            if chained is not None:
+                state.forward_pass.then = chained
             outs = _PostBackward.apply(state, state.forward_pass, *needing.values())
             if single:  # its one input is the one tensor threaded through
                 args = outs
@@ -223,6 +231,7 @@ def _wait_post_optim_event(ctx: RootContext) -> None:
 def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     state: FSDPState = module._mfsdp2_state
     event_log.record("forward_end", state.name)
+    settle_pending(state.ctx)  # a unit's output no other unit took as its input
     if _in_backward():  # activation-checkpoint recompute: its backward runs next, stay unsharded
         # Same output dtype as the original forward: the checkpoint compares what it recomputes.
         return _cast_output(plan_of(state), output)
@@ -235,23 +244,7 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     state.training_state = TrainingState.IDLE
     backward_follows = False
     if grad:
-        if type(output) is torch.Tensor:
-            tensors = [output] if output.requires_grad else []
-        else:
-            tensors = [t for t in tensors_in(output) if t.requires_grad]
-        if len(tensors) == 1:
-            # One output (the usual block): a tensor hook fires once per backward that reaches
-            # it, which is what the multi-grad hook's "any" mode gives, at a third of its cost.
-            hook = state.output_hook
-            if hook is None:
-                hook = state.output_hook = functools.partial(_pre_backward_hook, state)
-            tensors[0].register_hook(hook)
-            backward_follows = True
-        elif tensors:
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, functools.partial(_pre_backward_hook, state), mode="any"
-            )
-            backward_follows = True
+        backward_follows = hook_outputs(state, plan, output)
     elif state.backward_via_recompute and ctx.schedule.in_training_forward:
         backward_follows = True  # a reentrant checkpoint will recompute it in backward, as last step
     if backward_follows and not state.is_root:
@@ -303,6 +296,7 @@ def reset(ctx: RootContext) -> None:
     this step's partial gradients are dropped, the pass in progress is forgotten. A collective
     that failed and may still run has its buffers leaked instead (see ``CommHandle.settle``)."""
     ctx.gathers.abort()  # first: settling a member's handle below must not issue another bucket
+    ctx.pending_output = None  # the pass's graph is abandoned with it
     for s in ctx.states:
         for g in s.groups:
             g.abort(ctx.allocator)

@@ -179,6 +179,9 @@ class RootContext:
         # so this module must not import it.
         self.schedule = schedule
         self.callback_queued = False
+        # (unit, tensor): a unit's one output whose pre-backward the next unit's input function
+        # may run instead of a hook on it (runtime.output_hooks), until the next runtime entry.
+        self.pending_output = None
         self.presence_checks: list = []  # CUDA gradient-presence checks still in flight (grad_presence)
         self.reduce_queue: list[FSDPState] = []  # units with a reduce-scatter in flight, oldest first
         self.allreduce_queue: list[FSDPState] = []  # HSDP: units whose all-reduce across replicas is in flight

@@ -76,6 +76,7 @@ class UnitPlan:
     subclass_label: str
     reshard_after_forward: bool
     keep_after_forward: bool  # a reshard would free nothing: stay gathered until backward
+    chains_output: bool  # the next unit's input function may run its pre-backward (runtime.output_hooks)
     reshard_after_backward: bool
     requires_gradient_sync: bool
     reduce: tuple  # (index, group, label head) of each group with trainable parameters
@@ -135,6 +136,7 @@ def _build(state: FSDPState) -> UnitPlan:
         subclass_label=f"all-gather of unit {name!r} ({sub_names}, step ",
         reshard_after_forward=bool(state.reshard_after_forward),
         keep_after_forward=_reshard_frees_nothing(state),
+        chains_output=_may_chain_output(state),
         reshard_after_backward=state.reshard_after_backward,
         requires_gradient_sync=state.requires_gradient_sync,
         reduce=reduce,
@@ -162,3 +164,15 @@ def _reshard_frees_nothing(state: FSDPState) -> bool:
     gathered unit too). A grad-disabled forward still reshards: no backward follows."""
     return (state.subclass is None and state.post_forward_comm is None
             and all(g.persistent and g.fp8 is None for g in state.groups))
+
+
+def _may_chain_output(state: FSDPState) -> bool:
+    """What of :func:`mfsdp2.runtime.output_hooks.hook_outputs`' choice is fixed between
+    changes: a unit of one module whose weights stay gathered from forward to backward with
+    nothing to issue (see :func:`_reshard_frees_nothing`), no TransformerEngine buffers to attach
+    in its pre-backward and no input-only-backward note to keep (E52: resharding after forward
+    while accumulating unsynchronised gradients kept gathered)."""
+    return (len(state.modules) == 1 and _reshard_frees_nothing(state)
+            and not any(g.te_fused for g in state.groups)
+            and not (state.reshard_after_forward and not state.requires_gradient_sync
+                     and not state.reshard_after_backward))
