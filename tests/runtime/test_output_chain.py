@@ -61,8 +61,12 @@ class _Net(nn.Module):
         return self.d(self.c(self.b(h)))
 
 
-def _run(rank: int, ws: int, strategy: str, graph: str) -> dict:
+def _run_all(rank: int, ws: int, strategy: str) -> dict:
     mesh = init_device_mesh("cpu", (ws,))
+    return {graph: _run(rank, ws, mesh, strategy, graph) for graph in GRAPHS}
+
+
+def _run(rank: int, ws: int, mesh, strategy: str, graph: str) -> dict:
     torch.manual_seed(0)
     ref = _Net(graph).to(F64)
     model = _Net(graph).to(F64)
@@ -114,20 +118,21 @@ def _run(rank: int, ws: int, strategy: str, graph: str) -> dict:
     return out
 
 
+GRAPHS = ("chain", "dropped", "branch", "inplace", "side")
 CASES = [(2, s) for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")] + [(1, "optim_grads_params")]
 
 
-@pytest.mark.parametrize("graph", ["chain", "dropped", "branch", "inplace", "side"])
 @pytest.mark.parametrize("ws,strategy", CASES)
-def test_chained_pre_backward_matches_the_unsharded_model(ws, strategy, graph):
-    outs = run_ranks(_run, ws, strategy, graph)
+def test_chained_pre_backward_matches_the_unsharded_model(ws, strategy):
+    outs = run_ranks(_run_all, ws, strategy)  # one launch per case: every graph in it
     gathers_in_backward = strategy == "optim_grads_params" and ws > 1
-    for out in outs:
-        assert not out["errors"], out["errors"]
-        if graph == "chain":
-            # Steady steps: 2 hooks where the units chain, one per unit and the root's otherwise.
-            assert out["hooks"][1:] == [5 if gathers_in_backward else 2] * 2, out["hooks"]
-            # Every unit's pre-backward ran, in backward order, hooked or chained.
-            assert out["backward_begins"] == [["d", "root", "c", "b", "a"]] * 3, out["backward_begins"]
-        if graph == "dropped" and gathers_in_backward:
-            assert out["hooks"] == [5] * 3, out["hooks"]  # every unit and the root: nothing chained
+    for by_graph in outs:
+        for graph, out in by_graph.items():
+            assert not out["errors"], (graph, out["errors"])
+        chain, dropped = by_graph["chain"], by_graph["dropped"]
+        # Steady steps: 2 hooks where the units chain, one per unit and the root's otherwise.
+        assert chain["hooks"][1:] == [5 if gathers_in_backward else 2] * 2, chain["hooks"]
+        # Every unit's pre-backward ran, in backward order, hooked or chained.
+        assert chain["backward_begins"] == [["d", "root", "c", "b", "a"]] * 3, chain["backward_begins"]
+        if gathers_in_backward:
+            assert dropped["hooks"] == [5] * 3, dropped["hooks"]  # every unit and the root: nothing chained
