@@ -36,6 +36,7 @@ import torch
 from ..base.structures import tensors_in
 from .state import FSDPState, RootContext
 from .step_plan import UnitPlan
+from .unshard import nothing_to_gather
 from .backward import _pre_backward_hook
 
 __all__ = ["hook_outputs", "settle_pending", "take_pending"]
@@ -81,12 +82,7 @@ def _may_chain(state: FSDPState, plan: UnitPlan, t: torch.Tensor) -> bool:
         return False
     if not state.ctx.schedule.in_training_forward or torch._C._are_functorch_transforms_active():
         return False
-    if state.weights_missed or state.unsettled or state.patched_view() is not None:
-        return False
-    for g in state.groups:
-        if g.stale or g.grad_listeners:
-            return False
-    return True
+    return not state.weights_missed and state.patched_view() is None and nothing_to_gather(state)
 
 
 def settle_pending(ctx: Optional[RootContext]) -> None:
