@@ -324,6 +324,9 @@ def _final_callback(ctx: RootContext) -> None:
                 s.post_backward_done = False
                 s.expect_backward = False
                 s.open_passes = 0
+                # A quiet unit some of whose parameters got no gradient was reduced above: the
+                # step's next backward() counts its accumulator hooks from the start.
+                s.quiet_left = s.quiet_count
             ctx.schedule.end_backward(keep=pending)
             # What the step does next (the optimizer step, the next forward's activations) can
             # use every block no live buffer needs: the allocator holds nothing idle between steps.

@@ -325,6 +325,7 @@ class FSDP2StateNames:
         """FSDP2's handles are plain attributes that tools replace after removing the hooks and
         registering their own (torch's ``FSDPMemTracker`` wraps ``_pre_forward`` /
         ``_post_forward`` so): the new handle stands for the unit's hook from now on."""
+        self.hooks_taken_over = True  # the tool's hooks must see every call (runtime.quiet_units)
         pairs = self.forward_hook_handles or [(None, None)]
         first = list(pairs[0])
         first[which] = handle

@@ -54,6 +54,7 @@ from .unshard import plan_bucketed_gathers, reshard, unshard_async, wait_unshard
 from .step_plan import UnitPlan, plan_of
 from .backward import _ForwardPass, _PostBackward, _in_backward, _pre_backward
 from .output_hooks import hook_outputs, settle_pending, take_pending
+from . import quiet_units
 
 __all__ = ["pre_forward", "post_forward", "lazy_init", "reset"]
 
@@ -132,6 +133,8 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     lazy_init(state)
     ctx = state.ctx
     recompute = _in_backward()
+    if state.quiet_pass and quiet_units.in_quiet_pass(state, recompute):
+        return args, kwargs
     grad = torch.is_grad_enabled()
     # A grad-enabled recompute of a unit that ran no grad-enabled forward this iteration: a
     # reentrant checkpoint around the unit ran its forward under no_grad, and this recompute
@@ -157,6 +160,7 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
             # here, outside any torch.func transform the forward runs under.
             with torch._C._DisableFuncTorch():
                 _begin_step(ctx, state, grad)
+            quiet_units.begin(ctx, state, grad)  # the other units' forward-hook work, if it can
         state.training_state = TrainingState.FORWARD
         prefetch = ctx.schedule.on_forward(state)
         unshard_async(state)
@@ -230,6 +234,8 @@ def _wait_post_optim_event(ctx: RootContext) -> None:
 @outside_inference_mode
 def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     state: FSDPState = module._mfsdp2_state
+    if state.quiet_pass and quiet_units.in_quiet_pass(state, _in_backward()):
+        return output
     event_log.record("forward_end", state.name)
     settle_pending(state.ctx)  # a unit's output no other unit took as its input
     if _in_backward():  # activation-checkpoint recompute: its backward runs next, stay unsharded
@@ -251,6 +257,7 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
         state.expect_backward = True
         ctx.schedule.expect_backward(state)
     if state.is_root:
+        quiet_units.end_forward(ctx)  # calls of a unit after the pass run its hooks again
         ctx.gathers.finish()  # units that did not run get their rows; unissued buckets are dropped
         ctx.schedule.end_forward(record=grad)
         for s in ctx.states:
@@ -261,8 +268,9 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
                 if s.reshard_after_forward and s.shard_state is not ShardState.SHARDED:
                     reshard(s)
         for s in ctx.states:
-            # Eval passes keep nothing gathered; training passes drop mispredicted prefetches.
-            if s.shard_state is not ShardState.SHARDED and (not grad or not s.forward_with_grad):
+            # Eval passes keep nothing gathered; training passes drop mispredicted prefetches
+            # (a quiet pass's units stay gathered for their backward).
+            if s.shard_state is not ShardState.SHARDED and (not grad or not (s.forward_with_grad or s.quiet_pass)):
                 reshard(s)
         if grad:
             # The loss and the start of backward (the step's activation peak, usually) come next:
@@ -297,6 +305,8 @@ def reset(ctx: RootContext) -> None:
     that failed and may still run has its buffers leaked instead (see ``CommHandle.settle``)."""
     ctx.gathers.abort()  # first: settling a member's handle below must not issue another bucket
     ctx.pending_output = None  # the pass's graph is abandoned with it
+    quiet_units.end_forward(ctx)
+    ctx.quiet = False
     for s in ctx.states:
         for g in s.groups:
             g.abort(ctx.allocator)
@@ -317,6 +327,7 @@ def reset(ctx: RootContext) -> None:
         s.post_backward_done = False
         s.expect_backward = False
         s.open_passes = 0
+        s.quiet_pass = False
     ctx.reduce_queue.clear()
     ctx.allreduce_queue.clear()
     ctx.buckets.abort()

@@ -43,12 +43,13 @@ _MAX_FORWARDS_PER_BACKWARD = 8
 class _Pass:
     """Position tracking of one pass (forward or backward) against a predicted order."""
 
-    __slots__ = ("order", "seen", "diverged")
+    __slots__ = ("order", "seen", "diverged", "replayed")
 
     def __init__(self, order: "list[FSDPState]"):
         self.order = order
         self.seen: list = []
         self.diverged = False
+        self.replayed = False
 
     def advance(self, state: "FSDPState") -> int:
         """Note that ``state`` runs now; returns its index in the prediction or -1 if off-script."""
@@ -82,12 +83,24 @@ class Schedule:
         self._fwd_grad = grad
 
     @property
+    def in_forward(self) -> bool:
+        """A root forward is running."""
+        return self._fwd is not None
+
+    @property
     def in_training_forward(self) -> bool:
         """A grad-enabled root forward is running (units inside it may run under no_grad)."""
         return self._fwd is not None and self._fwd_grad
 
-    def end_forward(self, record: bool) -> None:
+    def replay(self) -> None:
+        """The running forward is a quiet pass (:mod:`mfsdp2.runtime.quiet_units`), whose units'
+        forwards the schedule does not see: it neither replaces the recorded order nor counts as
+        a misprediction."""
         if self._fwd is not None:
+            self._fwd.replayed = True
+
+    def end_forward(self, record: bool) -> None:
+        if self._fwd is not None and not self._fwd.replayed:
             if self._fwd.mispredicted:
                 self.mispredictions += 1
             if record:

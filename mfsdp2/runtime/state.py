@@ -144,12 +144,20 @@ class FSDPState(FSDP2StateNames):
         self.unsettled = False
         # set_reduce_scatter_unused_params(True): agree on gradient presence (mfsdp2.runtime.grad_presence)
         self.reduce_unused_params = False
-        # (pre-forward, post-forward) hook handles of each module of the unit (fully_shard).
+        # (pre-forward, post-forward) hook handles of each module of the unit (fully_shard), and
+        # whether a tool replaced them with its own (FSDP2's handle setters).
         self.forward_hook_handles: list = []
+        self.hooks_taken_over = False
         # FSDP2's group object for this unit, made at the first read of _fsdp_param_group(s).
         self.fsdp2_view = None
         # Parameters with FSDP2's all-gather extension (mfsdp2.groups.subclass_gather.SubclassUnit), or None.
         self.subclass = None
+        # A quiet pass (mfsdp2.runtime.quiet_units): the root ran this unit's forward-hook work;
+        # its trainable parameters' accumulator hooks count down from quiet_count to its post-backward.
+        self.quiet_pass = False
+        self.quiet_count = 0
+        self.quiet_left = 0
+        self.quiet_hooks = None  # the (pre, post) forward hook functions while detached
 
     def __repr__(self) -> str:
         return f"FSDPState({self.name!r}, {self.shard_state.value}, {self.training_state.value})"
@@ -194,6 +202,12 @@ class RootContext:
         self.step = 0
         # set_post_optim_event: the next root forward makes the current stream wait on it first.
         self.post_optim_event = None
+        # Quiet passes (runtime.quiet_units): allowed (off only to measure the hooked pass), the
+        # pass running is one, and the units whose forward hooks are detached now.
+        self.quiet_allowed = True
+        self.quiet = False
+        self.quiet_detached: list[FSDPState] = []
+        self.quiet_guard = None  # the root's always-call forward hook that attaches them again
 
     @classmethod
     def create(cls, root: FSDPState, states: list[FSDPState], schedule) -> "RootContext":

@@ -77,6 +77,7 @@ class UnitPlan:
     reshard_after_forward: bool
     keep_after_forward: bool  # a reshard would free nothing: stay gathered until backward
     chains_output: bool  # the next unit's input function may run its pre-backward (runtime.output_hooks)
+    quiet: bool  # may run a training forward with no forward hooks (runtime.quiet_units)
     reshard_after_backward: bool
     requires_gradient_sync: bool
     reduce: tuple  # (index, group, label head) of each group with trainable parameters
@@ -128,6 +129,8 @@ def _build(state: FSDPState) -> UnitPlan:
         if g.requires_grad and any(p.requires_grad for p in g.unsharded_params)
     )
     mp = state.mp
+    cast_dtype = mp.param_dtype if mp.param_dtype is not None and mp.cast_forward_inputs else None
+    chains = _may_chain_output(state)
     plan = UnitPlan(
         epoch=plan_epoch.current(),
         flags_version=state.flags_version,
@@ -136,11 +139,13 @@ def _build(state: FSDPState) -> UnitPlan:
         subclass_label=f"all-gather of unit {name!r} ({sub_names}, step ",
         reshard_after_forward=bool(state.reshard_after_forward),
         keep_after_forward=_reshard_frees_nothing(state),
-        chains_output=_may_chain_output(state),
+        chains_output=chains,
+        # Nothing for its forward hooks to do but register: no cast of inputs or outputs either.
+        quiet=chains and cast_dtype is None and mp.output_dtype is None,
         reshard_after_backward=state.reshard_after_backward,
         requires_gradient_sync=state.requires_gradient_sync,
         reduce=reduce,
-        cast_dtype=mp.param_dtype if mp.param_dtype is not None and mp.cast_forward_inputs else None,
+        cast_dtype=cast_dtype,
         output_dtype=mp.output_dtype,
         trace_unshard=f"mfsdp2.unshard {name}",
         trace_wait=f"mfsdp2.wait_unshard {name}",

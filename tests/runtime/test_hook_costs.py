@@ -7,6 +7,8 @@ What is checked, by counting calls (not by timing, which depends on the machine)
   ``_PostBackward`` (which defines it for ``torch.func``) takes the direct path outside transforms;
 * a unit with one output tensor hooks it with one tensor hook: no ``register_multi_grad_hook``
   (a unit with several outputs still takes one, its "any" mode being what the pre-backward needs);
+  in a quiet pass (:mod:`mfsdp2.runtime.quiet_units`; these persistent one-rank units qualify)
+  no unit's outputs are hooked at all;
 * under ``torch.func.grad`` the full ``Function.apply`` path runs and gives the unsharded
   gradient (the fast path must not be taken inside a transform).
 """
@@ -63,26 +65,31 @@ def _counts(rank, ws):
         opt.step()
         opt.zero_grad()
 
-    calls = {"signature": 0, "multi": 0}
-    real_sig, real_multi = inspect.signature, torch.autograd.graph.register_multi_grad_hook
+    counts = {}
+    for quiet in (False, True):  # the hooked pass, and the quiet one (mfsdp2.runtime.quiet_units)
+        model._mfsdp2_state.ctx.quiet_allowed = quiet
+        calls = {"signature": 0, "multi": 0}
+        real_sig, real_multi = inspect.signature, torch.autograd.graph.register_multi_grad_hook
 
-    def sig(*a, **k):
-        calls["signature"] += 1
-        return real_sig(*a, **k)
+        def sig(*a, **k):
+            calls["signature"] += 1
+            return real_sig(*a, **k)
 
-    def multi(*a, **k):
-        calls["multi"] += 1
-        return real_multi(*a, **k)
+        def multi(*a, **k):
+            calls["multi"] += 1
+            return real_multi(*a, **k)
 
-    inspect.signature = sig
-    torch.autograd.graph.register_multi_grad_hook = multi
-    try:
-        model(x).backward()
-        opt.step()
-        opt.zero_grad()
-    finally:
-        inspect.signature = real_sig
-        torch.autograd.graph.register_multi_grad_hook = real_multi
+        inspect.signature = sig
+        torch.autograd.graph.register_multi_grad_hook = multi
+        try:
+            model(x).backward()
+            calls["quiet"] = model._mfsdp2_state.ctx.quiet
+            opt.step()
+            opt.zero_grad()
+        finally:
+            inspect.signature = real_sig
+            torch.autograd.graph.register_multi_grad_hook = real_multi
+        counts["quiet" if quiet else "hooked"] = calls
 
     # torch.func through a unit (world size 1: the functional call sees whole parameters).
     unit = fully_shard(nn.Linear(8, 8), mesh=mesh)
@@ -96,11 +103,13 @@ def _counts(rank, ws):
 
     g_unit = torch.func.grad(loss)(x, unit)
     g_ref = torch.func.grad(loss)(x, ref)
-    return {**calls, "func_grad_equal": bool(torch.equal(g_unit, g_ref))}
+    return {**counts, "func_grad_equal": bool(torch.equal(g_unit, g_ref))}
 
 
 def test_steady_state_step_takes_no_generic_autograd_paths():
     out = run_ranks(_counts, 1)[0]
-    assert out["signature"] == 0, out
-    assert out["multi"] == 1, out  # the two-output unit only
+    hooked, quiet = out["hooked"], out["quiet"]
+    assert hooked["signature"] == 0 and quiet["signature"] == 0, out
+    assert not hooked["quiet"] and hooked["multi"] == 1, out  # the two-output unit only
+    assert quiet["quiet"] and quiet["multi"] == 0, out  # a quiet pass hooks no unit's outputs
     assert out["func_grad_equal"], out
