@@ -153,6 +153,11 @@ class GatherBuckets:
         self._next = 0  # index of the next bucket to issue
         self.issued_count = 0  # buckets issued since creation (tests, diagnostics)
 
+    @property
+    def planned(self) -> int:
+        """How many buckets the current plan holds (issued or not)."""
+        return len(self._buckets)
+
     # -- plan ---------------------------------------------------------------------------------
     def start(self, order: list, cap_bytes: int, step: int, transient: Optional[set] = None,
               persistent: bool = True) -> None:

@@ -1,13 +1,14 @@
 """Quiet passes: a training forward in which the root does every unit's forward-hook work at once
 and the units run with no forward hooks at all, as DDP's modules do.
 
-Why: a unit whose weights are persistent, current and in the compute dtype (``no_shard``; ZeRO-1/2
-between re-gathers) has nothing to gather, wait for, cast or free in its forward. What its hooks
-still do per call -- the hook dispatch, an autograd function on the inputs, a hook on the outputs,
-the schedule's bookkeeping, a registration -- cost several times a small block's compute on the
-host (64 blocks of ``Linear(64, 64)``: about 50 us per unit and step against DDP's 3). DDP pays
-nothing per module in forward and learns that a module's gradients are ready from a hook on each
-parameter's gradient accumulator; a quiet pass does the same.
+Why: a unit whose weights are persistent and in the compute dtype (``no_shard``; ZeRO-1/2, whose
+rows after an optimizer step come in the gather bucket the root's forward issues) has nothing to
+gather of its own, cast or free in its forward. What its hooks still do per call -- the hook
+dispatch, an autograd function on the inputs, a hook on the outputs, the schedule's bookkeeping, a
+registration -- cost several times a small block's compute on the host (64 blocks of
+``Linear(64, 64)``: about 50 us per unit and step against DDP's 3). DDP pays nothing per module in
+forward and learns that a module's gradients are ready from a hook on each parameter's gradient
+accumulator; a quiet pass does the same.
 
 What a quiet pass does instead, per unit:
 
@@ -15,10 +16,9 @@ What a quiet pass does instead, per unit:
   registration makes: replaced parameters, assigned ``.data``, ``requires_grad`` flips), arm a
   countdown of its trainable parameters, and detach its two forward hooks from the module;
 * at the root's post-forward (an ``always_call`` hook of the root: also when its forward raised):
-  attach them again, so a call of the unit
-  after the pass, and every activation-checkpoint recompute during backward, runs them. There they
-  do nothing (:func:`in_quiet_pass`): the unit is registered already and its gradients are
-  counted by accumulator hooks;
+  attach them again, so a call of the unit after the pass, and every activation-checkpoint
+  recompute during backward, runs them. There they do nothing (:func:`in_quiet_pass`): the unit
+  is registered already and its gradients are counted by accumulator hooks;
 * in backward: a post-accumulate-grad hook on each trainable unsharded parameter counts down;
   the last one runs the unit's post-backward (reshard, pack, reduce), where its ``_PostBackward``
   would have. A parameter that gets no gradient in a backward leaves the count open: the root's
@@ -29,13 +29,14 @@ When it is safe (all of it, or the pass runs the hooks): a grad-enabled training
 root, after its first backward (the first step records the schedule), outside ``torch.func``
 transforms and with no event log recording; every non-root unit qualifies: one module, its plan's
 ``quiet`` (persistent compute-dtype weights, nothing to cast, no FP8, subclass parameters, rank
-block reshard, TransformerEngine buffers or input-only-backward note), nothing to gather this
-step, no tool wrapping its backward hooks, no gradient-presence agreement, and the module's
-forward hooks are exactly the unit's own two (a user's hook, or a tool that took the unit's
-hooks over, keeps it hooked, so it sees every call) and it is not compiled with
-``module.compile()`` (its compiled code guards on those hooks). The gradients are the hooked
-pass's to the bit: the same post-backward packs the same gradients into the same buckets, in the
-same backward order.
+block reshard, TransformerEngine buffers or input-only-backward note), nothing to gather this step
+but rows of the root's one gather bucket (with more than one bucket, the units' own waits let
+compute overlap the later buckets: the pass stays hooked), no tool wrapping its backward hooks, no
+gradient-presence agreement, and the module's forward hooks are exactly the unit's own two (a user's
+hook, or a tool that took the unit's hooks over, keeps it hooked, so it sees every call) and it is
+not compiled with ``module.compile()`` (its compiled code guards on those hooks). The gradients are
+the hooked pass's to the bit: the same post-backward packs the same gradients into the same buckets,
+in the same backward order.
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ def begin(ctx: RootContext, root: FSDPState, grad: bool) -> bool:
     quiet = grad and bool(units) and ctx.quiet_allowed and ctx.step > 0 and not event_log.enabled
     quiet = quiet and not torch._C._are_functorch_transforms_active()
     if quiet:
-        quiet = all(_qualifies(s) for s in units)
+        # Rows still to come may come in the root's one gather bucket (ZeRO-1/2 after a step):
+        # the first unit's wait would wait for all of it anyway. With more buckets the units'
+        # waits overlap the later ones with compute: that pass stays hooked.
+        quiet = ctx.gathers.planned <= 1 and all(_qualifies(s) for s in units)
     ctx.quiet = quiet
     for s in units:
         s.quiet_pass = quiet
@@ -76,7 +80,7 @@ def begin(ctx: RootContext, root: FSDPState, grad: bool) -> bool:
         ctx.quiet_guard = root.module.register_forward_hook(_ATTACH_AGAIN, always_call=True)
     ctx.schedule.replay()
     for s in units:
-        unshard_async(s)  # nothing to gather: registers the full parameters, with their checks
+        unshard_async(s)  # registers the full parameters, with their checks (or takes the bucket's rows)
         wait_unshard(s)
         _arm(s)
         _detach(s)
@@ -85,7 +89,7 @@ def begin(ctx: RootContext, root: FSDPState, grad: bool) -> bool:
 
 
 def _qualifies(s: FSDPState) -> bool:
-    if not plan_of(s).quiet or s.shard_state is not ShardState.SHARDED or not nothing_to_gather(s):
+    if not plan_of(s).quiet or s.shard_state is not ShardState.SHARDED or not _rows_at_hand(s):
         return False
     if s.weights_missed or s.reduce_unused_params or s.patched_view() is not None:
         return False
@@ -97,6 +101,18 @@ def _qualifies(s: FSDPState) -> bool:
         return False
     hooks_pre, hooks_post = m._forward_pre_hooks, m._forward_hooks
     return (len(hooks_pre) == 1 and pre.id in hooks_pre and len(hooks_post) == 1 and post.id in hooks_post)
+
+
+def _rows_at_hand(s: FSDPState) -> bool:
+    """Whether registering the unit needs no gather of its own: nothing to gather
+    (:func:`~mfsdp2.runtime.unshard.nothing_to_gather`), or every stale group's rows come in
+    a gather bucket the root's forward issued (their wait is the bucket's)."""
+    if nothing_to_gather(s):
+        return True
+    if s.unsettled or s.subclass is not None:
+        return False
+    return all(g.persistent and g.fp8 is None and not g.grad_listeners
+               and (g.pending_gather is not None or not g.stale) for g in s.groups)
 
 
 def _arm(s: FSDPState) -> None:

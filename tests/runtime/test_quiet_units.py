@@ -112,7 +112,7 @@ def _reference(graph: str, ws: int) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train(rank: int, ws: int, graph: str, strategy: str) -> dict:
+def _train(rank: int, ws: int, graph: str, strategy: str, cap_mb=None) -> dict:
     from mfsdp2 import fully_shard
 
     mesh = init_device_mesh("cpu", (ws,))
@@ -123,6 +123,8 @@ def _train(rank: int, ws: int, graph: str, strategy: str) -> dict:
         for b in model.blocks:
             fully_shard(b, mesh=mesh, sharding_strategy=strategy)
         fully_shard(model, mesh=mesh, sharding_strategy=strategy)
+        if cap_mb is not None:
+            model.set_all_reduce_bucket_cap_mb(cap_mb)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         quiet_steps, done = [], []
         for step in range(STEPS):
@@ -163,9 +165,19 @@ def _reference_cached(graph: str, ws: int) -> dict:
     return _reference(graph, ws)
 
 
+def _matches_reference(quiet: dict, hooked: dict, graph: str, ws: int) -> None:
+    ref = _reference_cached(graph, ws)
+    for n, r in ref.items():
+        assert torch.equal(quiet["params"][n], hooked["params"][n]), n
+        # float32 training of width-8 blocks for a few SGD steps: a few float32 ulps of the
+        # weights per step; 1e-5 absolute is ~100x that and far below any step's change.
+        assert torch.allclose(quiet["params"][n].double(), r, rtol=0, atol=1e-5), (n, quiet["params"][n], r)
+
+
 def _check(graph: str, ws: int, strategy: str) -> None:
     out = run_ranks(_train, ws, graph, strategy)[0]
     quiet, hooked = out["quiet"], out["hooked"]
+    _matches_reference(quiet, hooked, graph, ws)
     # Quiet from the second step on (the first backward records; under no_sync the first step's
     # second micro-batch already follows one, in both runs); the hooked run never after that.
     assert graph == "no_sync" or quiet["quiet_steps"][0] is False, quiet["quiet_steps"]
@@ -177,12 +189,6 @@ def _check(graph: str, ws: int, strategy: str) -> None:
     if graph == "chain":
         assert quiet["done_at_input"] == [[True] * 3] * STEPS, quiet["done_at_input"]
         assert hooked["done_at_input"] == [[True] * 3] * STEPS, hooked["done_at_input"]
-    ref = _reference_cached(graph, ws)
-    for n, r in ref.items():
-        assert torch.equal(quiet["params"][n], hooked["params"][n]), n
-        # float32 training of width-8 blocks for a few SGD steps: a few float32 ulps of the
-        # weights per step; 1e-5 absolute is ~100x that and far below any step's change.
-        assert torch.allclose(quiet["params"][n].double(), r, rtol=0, atol=1e-5), (n, quiet["params"][n], r)
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
@@ -194,6 +200,23 @@ def test_quiet_pass_equals_hooked_pass_no_shard_two_ranks(graph):
 def test_quiet_pass_equals_hooked_pass_one_rank_zero3(graph):
     """ZeRO-3 on one rank keeps persistent weights: its units qualify too."""
     _check(graph, 1, "optim_grads_params")
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
+@pytest.mark.parametrize("graph", ["chain", "skip", "two_backwards", "no_sync"])
+def test_quiet_pass_equals_hooked_pass_zero1_zero2_two_ranks(graph, strategy):
+    """ZeRO-1/2 re-gather their persistent weights after each step in the root's one gather
+    bucket: the quiet pass takes the bucket's rows at the root's pre-forward."""
+    _check(graph, 2, strategy)
+
+
+def test_several_gather_buckets_keep_the_pass_hooked():
+    """With the persistent weights' gathers cut into several buckets, the units' own waits let
+    compute overlap the later buckets: no quiet pass, and the same training."""
+    out = run_ranks(_train, 2, "chain", "optim", 920 / 2**20)[0]  # [root, blocks.0], [blocks.1, blocks.2]
+    quiet, hooked = out["quiet"], out["hooked"]
+    assert not any(quiet["quiet_steps"]) and not any(hooked["quiet_steps"]), out
+    _matches_reference(quiet, hooked, "chain", 2)
 
 
 def _misuse(rank: int, ws: int) -> dict:
