@@ -181,11 +181,13 @@ def _grad_ready(state: FSDPState, param: torch.Tensor) -> None:
     in this backward runs its post-backward."""
     if not state.quiet_pass:  # a hooked pass: the unit's _PostBackward runs it
         return
+    ctx = state.ctx
+    if not ctx.callback_queued:
+        # A backward that reached no hooked output first (a loss taken inside the model): the
+        # callback reduces what no countdown finished.
+        _queue_final_callback(ctx)
     state.quiet_left -= 1
     if state.quiet_left:
         return
     state.quiet_left = state.quiet_count
-    ctx = state.ctx
-    if not ctx.callback_queued:  # a backward that reached no hooked output first
-        _queue_final_callback(ctx)
     _run_post_backward(state)
