@@ -71,20 +71,25 @@ def begin(ctx: RootContext, root: FSDPState, grad: bool) -> bool:
         # the first unit's wait would wait for all of it anyway. With more buckets the units'
         # waits overlap the later ones with compute: that pass stays hooked.
         quiet = ctx.gathers.planned <= 1 and all(_qualifies(s) for s in units)
-    ctx.quiet = quiet
+    ctx.quiet = False
     for s in units:
-        s.quiet_pass = quiet
+        s.quiet_pass = False
     if not quiet:
         return False
     if ctx.quiet_guard is None:  # once per root: attach the hooks again even if the forward raises
         ctx.quiet_guard = root.module.register_forward_hook(_ATTACH_AGAIN, always_call=True)
-    ctx.schedule.replay()
     for s in units:
-        unshard_async(s)  # registers the full parameters, with their checks (or takes the bucket's rows)
+        # The full parameters, with their checks (or the bucket's rows). First, for every unit:
+        # a check that raises (a replaced parameter) leaves every unit hooked.
+        unshard_async(s)
         wait_unshard(s)
+    for s in units:
         _arm(s)
         _detach(s)
-    ctx.quiet_detached = units
+        ctx.quiet_detached.append(s)
+        s.quiet_pass = True
+    ctx.quiet = True
+    ctx.schedule.replay()
     return True
 
 

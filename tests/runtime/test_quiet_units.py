@@ -250,6 +250,7 @@ def _misuse(rank: int, ws: int) -> dict:
         out["replaced"] = "accepted"
     except RuntimeError as e:
         out["replaced"] = str(e)
+    out["hooks_after_error"] = [len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.blocks]
     return out
 
 
@@ -258,3 +259,4 @@ def test_quiet_pass_keeps_the_misuse_checks():
     assert out["quiet_before"] and out["quiet_again"], out
     assert out["hooked_with_user_hook"] and out["user_hook_calls"] == 1, out
     assert "E14" in out["replaced"] and "'blocks.2'" in out["replaced"], out
+    assert out["hooks_after_error"] == [2, 2, 2], out  # no unit lost its hooks to the refused pass
