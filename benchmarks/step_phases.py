@@ -23,6 +23,8 @@ cannot stay ahead of the kernels.
 Frameworks: ``plain`` (the module alone), ``ddp`` (torch DistributedDataParallel), ``no_shard`` /
 ``optim`` / ``optim_grads`` / ``zero3`` (mfsdp2's strategies, ``zero3`` = ``optim_grads_params``),
 ``zero3_buckets`` (ZeRO-3 with ``set_all_gather_bucket_cap_mb(4)``: small units share all-gathers),
+any of mfsdp2's with ``_hooked`` appended (``no_shard_hooked``: quiet passes off, every unit's forward
+hooks run: the A/B of :mod:`mfsdp2.runtime.quiet_units` in one run),
 ``fsdp2`` / ``fsdp2_tuned`` (torch FSDP2 as shipped / with ``_common.FSDP2_TUNED``), ``zero3_bf16``
 / ``zero3_fp8`` (ZeRO-3 with bf16 compute, the second with FP8 all-gathers: where FP8's extra work
 lands). Each rank trains every framework in turn on the same seeded model and batches (fp32 unless
@@ -51,6 +53,8 @@ MFSDP2 = {"no_shard": "no_shard", "optim": "optim", "optim_grads": "optim_grads"
 
 
 def _build(fw: str, ref, mesh):
+    if fw.endswith("_hooked"):  # quiet passes are turned off after the first step (the root context exists then)
+        return _build(fw[: -len("_hooked")], ref, mesh)
     if fw == "plain":  # the module itself, no wrapper: what the per-unit figures subtract
         return copy.deepcopy(ref)
     if fw == "ddp":
@@ -104,6 +108,8 @@ def worker(rank: int, ws: int, args: dict) -> dict:
             opt.zero_grad(set_to_none=True)
             t4 = time.perf_counter()
             losses.append(loss.item())
+            if s == 0 and fw.endswith("_hooked"):
+                model._mfsdp2_state.ctx.quiet_allowed = False
             if s >= args["warmup"]:
                 for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                     times[p].append(dt)
