@@ -1,19 +1,19 @@
 """Quiet passes (:mod:`mfsdp2.runtime.quiet_units`): units that gather nothing run their training
 forward with no forward hooks, and their accumulator hooks run the post-backward.
 
-Each graph trains a small model of one-module units three ways in one launch: with quiet passes
-(the default), with them off (the hooked pass), and unsharded in float64. The quiet run must
-equal the hooked run to the bit (same post-backwards, same buckets, same order), both must match
-the float64 reference, and the steady steps must really be quiet (the units' forward hooks
-detached while the root's forward runs; ``ctx.quiet``). Graphs: a chain of blocks; a block
-skipped in some steps; a unit one of whose parameters gets no gradient in some steps (its
+Each graph trains a small model of one-module units three ways in one launch: with quiet passes (the
+default), with them off (the hooked pass), and unsharded in float64. The quiet run must equal the
+hooked run to the bit (same post-backwards, same buckets, same order), both must match the float64
+reference, and the steady steps must really be quiet (the units' forward hooks detached while the
+root's forward runs; ``ctx.quiet``). Graphs: a chain of blocks; a block run twice in one forward; a
+block skipped in some steps; a unit one of whose parameters gets no gradient in some steps (its
 countdown stays open: the final callback reduces it); non-reentrant and reentrant activation
-checkpoints (recomputes run the attached hooks, which do nothing); a loss back-propagated in
-two ``backward()`` calls; gradient accumulation under ``no_sync``; a unit called on its own after
-the root's backward (the hooks' full work, once its quiet pass ended); an exception inside a
-quiet forward (hooks attached again, training goes on). The misuse checks of a registration
-still run: a parameter replaced after the first forward is refused in a quiet pass too, and a
-user's forward hook on a unit keeps the pass hooked, so the hook sees every call.
+checkpoints (recomputes run the attached hooks, which do nothing); a loss back-propagated in two
+``backward()`` calls; gradient accumulation under ``no_sync``; a unit called on its own after the
+root's backward (the hooks' full work, once its quiet pass ended); an exception inside a quiet
+forward (hooks attached again, training goes on). The misuse checks of a registration still run: a
+parameter replaced after the first forward is refused in a quiet pass too, and a user's forward hook
+on a unit keeps the pass hooked, so the hook sees every call.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from .._dist import run_ranks
 
 WIDTH = 8
 STEPS = 4
-GRAPHS = ("chain", "skip", "partial", "checkpoint", "reentrant", "two_backwards", "no_sync", "direct", "raises")
+GRAPHS = ("chain", "twice", "skip", "partial", "checkpoint", "reentrant", "two_backwards", "no_sync", "direct",
+          "raises")
 
 
 class _Pair(nn.Module):
@@ -64,6 +65,8 @@ class _Model(nn.Module):
                 x = checkpoint(b, x, use_reentrant=self.graph == "reentrant")
             else:
                 x = b(x)
+            if self.graph == "twice" and i == 0:  # one unit run twice in a forward (weights reused)
+                x = b(torch.tanh(x))
             x = torch.tanh(x)
             if self.raise_now and i == 1:
                 raise RuntimeError("raised inside the forward")
