@@ -155,7 +155,7 @@ class GatherBuckets:
 
     @property
     def planned(self) -> int:
-        """How many buckets the current plan holds (issued or not)."""
+        """How many buckets the plan of the running forward (or backward) holds, issued or not."""
         return len(self._buckets)
 
     # -- plan ---------------------------------------------------------------------------------

@@ -94,30 +94,17 @@ def begin(ctx: RootContext, root: FSDPState, grad: bool) -> bool:
 
 
 def _qualifies(s: FSDPState) -> bool:
-    if not plan_of(s).quiet or s.shard_state is not ShardState.SHARDED or not _rows_at_hand(s):
+    # Nothing to gather of its own: current persistent weights, or rows from the root's bucket.
+    if not plan_of(s).quiet or s.shard_state is not ShardState.SHARDED or not nothing_to_gather(s, bucket_rows=True):
         return False
     if s.weights_missed or s.reduce_unused_params or s.patched_view() is not None:
         return False
     m = s.module
-    if s.hooks_taken_over or len(s.forward_hook_handles) != 1 or getattr(m, "_compiled_call_impl", None) is not None:
+    if s.hooks_taken_over or getattr(m, "_compiled_call_impl", None) is not None:
         return False
-    pre, post = s.forward_hook_handles[0]
-    if pre is None or post is None:  # a tool took the handles over
-        return False
+    pre, post = s.forward_hook_handles[0]  # one module (plan.quiet): one pair
     hooks_pre, hooks_post = m._forward_pre_hooks, m._forward_hooks
     return (len(hooks_pre) == 1 and pre.id in hooks_pre and len(hooks_post) == 1 and post.id in hooks_post)
-
-
-def _rows_at_hand(s: FSDPState) -> bool:
-    """Whether registering the unit needs no gather of its own: nothing to gather
-    (:func:`~mfsdp2.runtime.unshard.nothing_to_gather`), or every stale group's rows come in
-    a gather bucket the root's forward issued (their wait is the bucket's)."""
-    if nothing_to_gather(s):
-        return True
-    if s.unsettled or s.subclass is not None:
-        return False
-    return all(g.persistent and g.fp8 is None and not g.grad_listeners
-               and (g.pending_gather is not None or not g.stale) for g in s.groups)
 
 
 def _arm(s: FSDPState) -> None:

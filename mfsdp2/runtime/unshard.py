@@ -27,11 +27,13 @@ logger = logging.getLogger(__name__)
 
 
 # -- unshard / reshard ------------------------------------------------------------------------
-def nothing_to_gather(state: FSDPState) -> bool:
+def nothing_to_gather(state: FSDPState, bucket_rows: bool = False) -> bool:
     """Whether every group of the unit keeps persistent weights that are current on every rank
     (ZeRO-1/2 between optimizer steps, or after the root's forward re-gathered them; ``no_shard``
     groups whose module computes with the main weights' memory always), so an unshard has nothing
-    to issue, wait for or prepare: it only registers the full parameters.
+    to issue, wait for or prepare: it only registers the full parameters. ``bucket_rows``: a
+    stale group whose rows come in a gather bucket the root's forward planned counts too (its
+    unshard takes the bucket's handle: no gather of its own).
 
     Why a test of its own: on a model of many small units the general gather path (listeners,
     labels, FP8 and subclass riders, a profiler range and an event per unit, four times per step)
@@ -43,7 +45,9 @@ def nothing_to_gather(state: FSDPState) -> bool:
     if state.ctx is None or state.unsettled or state.subclass is not None:
         return False
     for g in state.groups:
-        if not g.persistent or g.stale or g.grad_listeners or g.fp8 is not None:
+        if not g.persistent or g.grad_listeners or g.fp8 is not None:
+            return False
+        if g.stale and not (bucket_rows and g.pending_gather is not None):
             return False
     return True
 
