@@ -205,9 +205,11 @@ def post_backward(state: FSDPState) -> None:
             final = ctx.root.is_last_backward and state.open_passes <= 0
             for _, g, _ in reducing:
                 g.reduce_final = final
-            if any(not g.reduces_in_bucket(ctx.buckets) for _, g, _ in reducing):
+            if ((ctx.reduce_queue or ctx.allreduce_queue)
+                    and any(not g.reduces_in_bucket(ctx.buckets) for _, g, _ in reducing)):
                 # At most max_reduce_in_flight reduction inputs alive, this unit's included (FSDP2's
-                # set_reduce_scatter_max_input_buffers; default 1): finish older ones first.
+                # set_reduce_scatter_max_input_buffers; default 1): finish older ones first. (With
+                # nothing in flight there is nothing to finish: the buckets' units skip the test.)
                 _drain(ctx, keep=state.max_reduce_in_flight - 1, keep_allreduce=state.max_reduce_in_flight)
             issued = False
             for i, g, head in reducing:
