@@ -27,9 +27,11 @@ any of mfsdp2's with ``_hooked`` appended (``no_shard_hooked``: quiet passes off
 hooks run: the A/B of :mod:`mfsdp2.runtime.quiet_units` in one run),
 ``fsdp2`` / ``fsdp2_tuned`` (torch FSDP2 as shipped / with ``_common.FSDP2_TUNED``), ``zero3_bf16``
 / ``zero3_fp8`` (ZeRO-3 with bf16 compute, the second with FP8 all-gathers: where FP8's extra work
-lands). Each rank trains every framework in turn on the same seeded model and batches (fp32 unless
-named, world size 2); per phase: the median over the timed steps of rank 0, after a barrier before
-each step. Phases are timed on the host: asynchronous collectives left in flight by one phase are
+lands). Each rank trains every framework on the same seeded model and batches (fp32 unless named,
+world size 2) in alternating rounds: round ``s`` runs one step of each framework on batch ``s``,
+the order rotated by one each round and reversed every other round, so the machine's drift lands
+on all of them alike. Per phase: the median over the timed rounds of rank 0, after a barrier
+before each step. Phases are timed on the host: asynchronous collectives left in flight by one phase are
 paid in the phase that waits for them.
 """
 
@@ -77,6 +79,14 @@ def _build(fw: str, ref, mesh):
     raise ValueError(f"unknown framework {fw!r}")
 
 
+def _round_order(fws: list, r: int) -> list:
+    """Round ``r``'s framework order: rotated by one each round and reversed every other round
+    (as ``strategies.py``), so no framework always runs first, or right after the same one."""
+    k = r % len(fws)
+    order = fws[k:] + fws[:k]
+    return order[::-1] if r % 2 else order
+
+
 def worker(rank: int, ws: int, args: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -84,19 +94,25 @@ def worker(rank: int, ws: int, args: dict) -> dict:
 
     mesh = init_device_mesh("cpu", (ws,))
     ref = C.build_model(args["model"], seed=0)
-    out = {}
-    for fw in args["frameworks"]:
+    kw = {"foreach": True} if args["foreach"] else {}
+    if args.get("optimizer", "torch") == "mfsdp2":  # plain parameters (DDP) take torch's own step
+        from mfsdp2.optim import AdamW
+    else:
+        AdamW = torch.optim.AdamW
+    fws = list(args["frameworks"])
+    runs = {}
+    for fw in fws:  # every framework lives through the whole run: the rounds alternate between them
         model = _build(fw, ref, mesh)
-        kw = {"foreach": True} if args["foreach"] else {}
-        if args.get("optimizer", "torch") == "mfsdp2":  # plain parameters (DDP) take torch's own step
-            from mfsdp2.optim import AdamW
-        else:
-            AdamW = torch.optim.AdamW
-        opt = AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **kw)
-        times = {p: [] for p in PHASES}
-        losses = []
-        for s in range(args["warmup"] + args["steps"]):
-            x, y = C.make_batch(args["model"], s, rank, ws)
+        runs[fw] = {"model": model, "opt": AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **kw),
+                    "times": {p: [] for p in PHASES}, "losses": []}
+    for s in range(args["warmup"] + args["steps"]):
+        # Round s: one step of every framework on batch s. Alternating rounds, not one framework's
+        # steps after another's: this machine's speed drifts (and jumps) over a run, and a drift
+        # must land on every framework alike for their ratios to mean anything.
+        x, y = C.make_batch(args["model"], s, rank, ws)
+        for fw in _round_order(fws, s):
+            run = runs[fw]
+            model, opt = run["model"], run["opt"]
             dist.barrier()
             t0 = time.perf_counter()
             loss = C.loss_fn(args["model"], model(x), y)
@@ -107,17 +123,19 @@ def worker(rank: int, ws: int, args: dict) -> dict:
             t3 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             t4 = time.perf_counter()
-            losses.append(loss.item())
+            run["losses"].append(loss.item())
             if s == 0 and fw.endswith("_hooked"):
                 model._mfsdp2_state.ctx.quiet_allowed = False
             if s >= args["warmup"]:
                 for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                    times[p].append(dt)
+                    run["times"][p].append(dt)
+    out = {}
+    for fw in fws:
+        times = runs[fw]["times"]
         med = {p: statistics.median(v) for p, v in times.items()}
         # Host time of forward + backward as the min over the timed steps (the noise-free part).
         fb = min(f + b for f, b in zip(times["forward"], times["backward"]))
-        out[fw] = {"median_s": med, "step_s": sum(med.values()), "losses": losses, "fwd_bwd_min_s": fb}
-        del model, opt
+        out[fw] = {"median_s": med, "step_s": sum(med.values()), "losses": runs[fw]["losses"], "fwd_bwd_min_s": fb}
     return out
 
 
