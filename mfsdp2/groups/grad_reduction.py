@@ -277,7 +277,7 @@ class GradientReduction(MainGradient):
         main gradient is kept for accumulation, not reduced whole)."""
         return self.full_grads and self.comm.world_size == 1
 
-    def _bucket_comm(self, static=False):
+    def _bucket_comm(self, route: Optional[tuple] = None):
         """The communicator of the one all-reduce that reduces this group when that all-reduce may
         share a bucket with other groups' (:mod:`mfsdp2.groups.grad_buckets`): full-gradient strategies
         with a single stage -- ZeRO-1 over its shard group, no_shard over the replicas -- and
@@ -285,10 +285,10 @@ class GradientReduction(MainGradient):
         anyway (gloo, small groups, two ranks: ``Communicator.reduce_scatter_is_all_reduce``; 64
         small units paid 64 collectives of ~1 ms each). None for two-stage reductions (HSDP, an
         HSDP partial sum waiting), TE's fused buffers, a user's custom reduce-scatter and groups
-        with nobody to reduce with. ``static``: the route's communicator, when the caller has it."""
+        with nobody to reduce with. ``route``: :meth:`_route`'s result, when the caller has it."""
         if self.fused_full is not None or self.partial is not None:
             return None
-        return self._route()[1] if static is False else static
+        return (route or self._route())[1]
 
     def _static_bucket_comm(self, plan: ReducePlan):
         """:meth:`_bucket_comm` from the settings alone (``plan``: the reduction's)."""
@@ -339,9 +339,10 @@ class GradientReduction(MainGradient):
         self.finish_reduce(allocator)  # one reduction per group in flight
         release_held(self)  # CPU offload: the last output a copy-out read, before its key is reused
         layout = self.layout
-        plan, bucket_comm = self._route()  # once: the plan and _bucket_comm's static part
+        route = self._route()  # once: the plan and the bucket communicator's static part
+        plan = route[0]
         op, replicate_op = plan.op, plan.replicate_op
-        comm = self._bucket_comm(bucket_comm) if buckets is not None and buckets.enabled else None
+        comm = self._bucket_comm(route) if buckets is not None and buckets.enabled else None
         if comm is not None:
             self._reduce_into_bucket(buckets, comm, op if comm is self.comm else replicate_op, plan, key, label)
             return True
