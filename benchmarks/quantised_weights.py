@@ -15,7 +15,11 @@ barrier before each step; a step's time is the max over ranks, reported as the m
   OS first), the max over ranks, median over rounds, with glibc's mmap threshold fixed at 64 KiB
   (``MEMORY_ENV``) so that the RSS follows the live tensors -- and the step time.
 * ``float8``: 4 blocks (LayerNorm, ``Linear(1024, 4096)``, ReLU, ``Linear(4096, 1024)``) converted
-  by torchao's ``convert_to_float8_training`` with ``enable_fsdp_float8_all_gather=True``,
+  by torchao's ``convert_to_float8_training`` with ``enable_fsdp_float8_all_gather=True`` and
+  ``emulate=True`` (the float8 matmuls as float32 ones on the float8 values: oneDNN's ``_scaled_mm``
+  on CPUs without float8 instructions is a scalar reference loop, 7.7 s for one ``64 x 1024 x 4096``
+  product on an Intel Xeon without AMX-FP8, which would make the matmul the whole measurement; the
+  runtimes' part -- float8 all-gathers, casts, scales -- is unchanged by it),
   ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step (torchtitan's recipe),
   64 tokens per rank, AdamW. Measured: **step time** (forward, backward, optimizer step, the scale
   precompute).
@@ -90,7 +94,7 @@ def build(case: str) -> Stack:
     model = Stack([Block(1024, False) for _ in range(4)])
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True))
     return model
 
 
