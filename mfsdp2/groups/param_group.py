@@ -170,6 +170,9 @@ class ParameterGroup(ParameterRegistration, WeightChanges, GradientReduction):
         self.main_dtype = mp.main_dtype(self.orig_dtype, self.requires_grad)
         self.grad_dtype = mp.grad_dtype(self.orig_dtype, self.requires_grad)
         self.reduce_dtype = mp.wire_reduce_dtype(self.compute_dtype)
+        # The main weights' and gradients' dtypes were the group trainable: a group sharded frozen
+        # is made trainable in place where they are its own (ParameterRegistration._unfreeze).
+        self.trainable_dtypes = (mp.main_dtype(self.orig_dtype, True), mp.grad_dtype(self.orig_dtype, True))
         tags = ("" if self.requires_grad else ",frozen") + (",fp8" if config.fp8 else "") + (
             f",{config.mesh_tag}" if config.mesh_tag else "")
         self.name = f"{unit_name}[{str(self.orig_dtype).replace('torch.', '')}{tags}]"

@@ -182,6 +182,32 @@ class ParameterRegistration:
             "in place instead: with torch.no_grad(): p.copy_(new) (or p.data.copy_(new))"
         )
 
+    def _unfreeze(self, i: int) -> None:
+        """Parameter ``i`` of a group sharded frozen was made trainable (``requires_grad_(True)``
+        after ``fully_shard``: a backbone frozen for the first steps, progressive unfreezing), which
+        torch FSDP2 trains from the next backward. The group becomes trainable in place.
+
+        Why that is all it takes: a frozen group differs from a trainable one in its flag and, under
+        a policy with ``main_params_dtype`` / ``main_grads_dtype``, in the dtypes of its optimizer
+        weights and main gradient (a frozen group keeps the parameters' own). The reduction's state
+        is made for every group at init, and the main gradient, the reductions and their buckets at
+        the first backward that gives the group gradients; the unit's step plan is rebuilt (the
+        caller's epoch bump). Its other parameters stay frozen, as any parameter frozen inside a
+        trainable group (they reduce zeros and keep ``grad = None``). Where the dtypes differ the
+        optimizer-facing parameter would change dtype under the optimizer that holds it: refused."""
+        if self.trainable_dtypes != (self.main_dtype, self.grad_dtype):
+            main, grad = self.trainable_dtypes
+            raise RuntimeError(
+                f"mfsdp2 E101: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} was made trainable "
+                "(requires_grad_(True)) after fully_shard, but it was sharded frozen in "
+                f"{str(self.main_dtype).replace('torch.', '')} and a trainable one keeps "
+                f"{str(main).replace('torch.', '')} main weights ({str(grad).replace('torch.', '')} gradients) "
+                "under this MixedPrecisionPolicy's main_params_dtype / main_grads_dtype; call "
+                "requires_grad_(True) before fully_shard (freezing after it is fine), or pass "
+                "MixedPrecisionPolicy(main_params_dtype=None) to keep the parameters' own dtype"
+            )
+        self.requires_grad = True
+
     def _forward_tensor_hooks(self, i: int, dp: nn.Parameter, up: nn.Parameter) -> None:
         """Make the gradient hooks users register on the parameters they see
         (``p.register_hook(lambda g: g * mask)``: masking rows of an embedding, scaling, clipping)
@@ -205,11 +231,7 @@ class ParameterRegistration:
         FSDP2). Parameter ``i``'s flags differ: copy the DTensor's over before the use, or a
         frozen layer would still get gradients and the optimizer would keep training it."""
         if dp.requires_grad and not self.requires_grad:
-            raise RuntimeError(
-                f"mfsdp2: parameter {self.infos[i][0].fqn!r} of unit {self.unit_name!r} was made trainable "
-                "(requires_grad_(True)) after fully_shard, but it was sharded frozen, with no gradient "
-                "buffers; call requires_grad_(True) before fully_shard (freezing after it is fine)"
-            )
+            self._unfreeze(i)
         up.requires_grad_(dp.requires_grad)
         # Which groups reduce is part of the unit's step plan (mfsdp2.runtime.step_plan).
         plan_epoch.bump(plan_epoch.PlanChange.REQUIRES_GRAD)

@@ -125,7 +125,7 @@ def _train(rank, ws, scenario: str, stale: bool) -> dict:
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    if scenario == "requires_grad":  # frozen after sharding (sharded frozen, it could not be unfrozen)
+    if scenario == "requires_grad":  # frozen after sharding (trainable when sharded)
         model.blocks[1].requires_grad_(False)
     dtype = torch.float32
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,4 +1,5 @@
-"""The rows of docs/errors.md for misused arguments of the public API (E77-E99).
+"""The rows of docs/errors.md for misused arguments of the public API (E77-E99) and for a
+parameter unfrozen after ``fully_shard`` whose optimizer copy would change dtype (E101).
 
 Provoked at world size 1 in one spawned process, as ``test_errors.py`` does for the other rows;
 ``test_errors.test_every_documented_error_is_exercised`` counts these rows too. Each case calls
@@ -43,6 +44,8 @@ EXPECTED_API = {
     "E97": ("TypeError", "max_input_buffers must be an int, got float"),
     "E98": ("ValueError", "max_input_buffers must be >= 1, got 0"),
     "E99": ("ValueError", "set_symm_mem_for_comm backend must be 'NCCL'"),
+    "E101": ("RuntimeError", "'weight' of unit 'root' was made trainable (requires_grad_(True)) after fully_shard, "
+                             "but it was sharded frozen in bfloat16 and a trainable one keeps float32 main weights"),
 }
 
 
@@ -115,6 +118,11 @@ def _rows(rank, ws):
     _capture(out, "E97", lambda: unit.set_reduce_scatter_max_input_buffers(1.5))
     _capture(out, "E98", lambda: unit.set_reduce_scatter_max_input_buffers(0))
     _capture(out, "E99", lambda: unit.set_symm_mem_for_comm("gloo"))
+    # bf16 parameters sharded frozen keep bf16 main weights; trainable ones get the policy's fp32.
+    frozen = nn.Linear(4, 4, dtype=torch.bfloat16).requires_grad_(False)
+    fully_shard(frozen, mesh=mesh)
+    frozen.requires_grad_(True)
+    _capture(out, "E101", lambda: frozen(torch.ones(2, 4, dtype=torch.bfloat16)))
     return out
 
 
