@@ -58,7 +58,8 @@ def _run(rank: int, ws: int, kind: str, scaler_name: str) -> dict:
         for step in range(2):
             x, y = batch(step, GB, d, dtype=F64)
             n = GB // 2
-            scaler.scale(loss_fn(model(x[dp_rank * n : (dp_rank + 1) * n]), y[dp_rank * n : (dp_rank + 1) * n])).backward()
+            rows = slice(dp_rank * n, (dp_rank + 1) * n)
+            scaler.scale(loss_fn(model(x[rows]), y[rows])).backward()
             piece = (model.blocks[1][0] if kind == "tp_stack" else model.blocks[1].fc1).weight.grad.to_local()
             sizes = [None] * ws
             torch.distributed.all_gather_object(sizes, piece.numel())
