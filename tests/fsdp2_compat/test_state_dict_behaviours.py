@@ -12,7 +12,7 @@ suite uses them, run by FSDP2 and by mfsdp2 on the same float64 model in the sam
 * Meta-device init from a checkpoint: ``load_state_dict(..., assign=True)`` of
   ``distribute_tensor(full, p.device_mesh, p.placements)`` pieces, key by key with
   ``strict=False`` and all at once from rank 0's full state dict; the result equals a model built
-  normally and trains like it (loss and gradients of a step).
+  normally and trains like it (loss and gradients of a step); also under ``CPUOffloadPolicy``.
 * A full state dict on rank 0 from the values' ``full_tensor()``.
 * ``torch.nn.utils.clip_grad_norm_(..., foreach=True)`` for norm orders 2, 1 and inf: the total
   norm, the clipped gradients, and the all-reduces it issues (counted by ``CommDebugMode``) are
@@ -115,10 +115,10 @@ def load_new_dtensors(shard, mesh, rank):
     }
 
 
-def _meta_model(shard, mesh):
+def _meta_model(shard, mesh, **kw):
     with torch.device("meta"):
         model = _model()
-    return _wrap(model, shard, mesh)
+    return _wrap(model, shard, mesh, **kw)
 
 
 def _to_empty(model):
@@ -135,14 +135,14 @@ def _step_of(model, rank):
     return loss.detach(), {k: full(p.grad) for k, p in model.named_parameters()}
 
 
-def meta_init_from_state_dict(shard, mesh, rank):
+def meta_init_from_state_dict(shard, mesh, rank, **kw):
     from torch.distributed.tensor import distribute_tensor
 
     full_sd = _model().state_dict()
     ref = _wrap(_model(), shard, mesh)
     out = {}
     for how in ("key_by_key", "rank0_broadcast"):
-        model = _meta_model(shard, mesh)
+        model = _meta_model(shard, mesh, **kw)
         if how == "key_by_key":
             _to_empty(model)
         pieces = {}
@@ -164,6 +164,14 @@ def meta_init_from_state_dict(shard, mesh, rank):
         }
     out["ref_step"] = _step_of(ref, rank)
     return out
+
+
+def meta_init_offloaded(shard, mesh, rank):
+    """The same under torch's ``CPUOffloadPolicy`` (FSDP2's ``dp_state_dict_cpu_offload``): the
+    pieces are assigned into units whose main state lives in host memory."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return meta_init_from_state_dict(shard, mesh, rank, offload_policy=CPUOffloadPolicy(pin_memory=False))
 
 
 def full_on_rank0(shard, mesh, rank):
@@ -210,8 +218,8 @@ def reductions(shard, mesh, rank):
             for k, p in model.named_parameters() for name, f in ops.items()}
 
 
-CASES = (keys_and_values, after_forward, aliasing, load_new_dtensors, meta_init_from_state_dict, full_on_rank0, clip,
-         reductions)
+CASES = (keys_and_values, after_forward, aliasing, load_new_dtensors, meta_init_from_state_dict, meta_init_offloaded,
+         full_on_rank0, clip, reductions)
 
 
 def _rank(rank, ws):
@@ -256,9 +264,10 @@ def test_state_dict_values_are_the_parameters_like_fsdp2(what):
         assert ours == theirs, (what, ours)
 
 
-def test_meta_init_from_a_state_dict_matches_fsdp2():
+@pytest.mark.parametrize("case", ["meta_init_from_state_dict", "meta_init_offloaded"])
+def test_meta_init_from_a_state_dict_matches_fsdp2(case):
     for res in _results():
-        ours, theirs = res[("meta_init_from_state_dict", "mfsdp2")], res[("meta_init_from_state_dict", "fsdp2")]
+        ours, theirs = res[(case, "mfsdp2")], res[(case, "fsdp2")]
         for how in ("key_by_key", "rank0_broadcast"):
             assert theirs[how]["equal"] and ours[how]["equal"], how
             for side in (ours, theirs):
