@@ -64,6 +64,10 @@ the whole op restricted to this rank's rows, and out-of-place results carry thos
 else -- another split, a partial sum, no tensor of ours -- is left to DTensor, which raises.
 Only ops whose single-tensor form is tagged ``pointwise`` qualify; the handler is registered
 for an op only while DTensor lacks a rule for it, so where DTensor has one it decides.
+
+``torch.amp.GradScaler``'s inf check over gradients on two meshes (FSDP x TP with layers that are
+not tensor-parallel) agrees across every rank of both (:func:`_found_inf_handler`): DTensor's own
+reduces the flag over the first gradient's mesh only.
 """
 
 from __future__ import annotations
@@ -221,6 +225,34 @@ def _ours(t) -> bool:
     return isinstance(t, DTensor) and all(isinstance(pl, (RowShard, Replicate)) for pl in t.placements)
 
 
+def _found_inf_handler(op_call, args, kwargs):
+    """``torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)``
+    (``torch.amp.GradScaler.unscale_``) over gradients on more than one mesh, ours among them.
+
+    DTensor's own handler reduces ``found_inf`` over the mesh and placements of the *first*
+    gradient only. Under FSDP x TP with some layers not tensor-parallel, the list holds gradients
+    on the ``dp`` mesh and on the (tp, dp) mesh: a non-finite gradient on one tensor-parallel
+    coordinate is then seen by the ranks of that coordinate alone, which skip the step while the
+    others take it -- replicas that diverge without a word (torch FSDP2's parameters too). Here the
+    kernel runs on the local pieces and ``found_inf`` is reduced with MAX over every dimension of
+    every distinct mesh in the list, in the order they first appear (the same on every rank), so
+    every rank of any of them agrees. Lists on one mesh keep DTensor's handling."""
+    grads = args[0]
+    meshes: list = []
+    for g in grads:
+        if isinstance(g, DTensor) and all(g.device_mesh != m for m in meshes):
+            meshes.append(g.device_mesh)
+    if (len(meshes) < 2 or torch.compiler.is_compiling()
+            or not any(isinstance(g, DTensor) and (_ours(g) or any(isinstance(pl, RowShard) for pl in g.placements))
+                       for g in grads)):
+        return _default(op_call, args, kwargs)
+    found_inf = args[1]
+    op_call([g._local_tensor if isinstance(g, DTensor) else g for g in grads], *args[1:], **kwargs)
+    for mesh in meshes:
+        for dim in range(mesh.ndim):
+            torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group(dim))
+
+
 def _fused_elementwise_handler(op_call, args, kwargs):
     lists = [a for a in args if isinstance(a, (list, tuple))]
     params = lists[0] if lists else []
@@ -372,6 +404,7 @@ _HANDLERS = {
     _aten._fused_adagrad_.tensor_lr: _fused_elementwise_handler,
     _aten._foreach_copy_.default: _foreach_copy_handler,
     _aten.index_put_.default: _masked_put_handler,
+    _aten._amp_foreach_non_finite_check_and_unscale_.default: _found_inf_handler,
 }
 
 
@@ -387,7 +420,7 @@ def install() -> None:
         if current is not None:
             _previous[op] = current
         handlers[op] = handler
-    logger.debug("mfsdp2: DTensor copy_ / infinity-norm / fused-optimizer / foreach handlers "
+    logger.debug("mfsdp2: DTensor copy_ / infinity-norm / fused-optimizer / foreach / GradScaler handlers "
                  "for RowShard DTensors installed")
 
 
