@@ -1,8 +1,9 @@
 """FSDP x TP on a (dp=2, tp=2) mesh of 4 CPU ranks: blocks tensor-parallel (colwise fc1, rowwise
 fc2) over ``mesh['tp']``, then ``fully_shard`` over ``mesh['dp']``. Checked against the unsharded
 single-process reference: losses, parameters, and state dicts whose global shapes and DCP offsets
-come from the DTensors (a checkpoint loaded into plain full tensors equals the reference). Float64,
-to REL_F64 (see tests/models.py)."""
+come from the DTensors (a checkpoint loaded into plain full tensors equals the reference); also a
+meta-device build (torchtitan's order: parallelize, shard, ``to_empty``, write the values) against
+FSDP2 running the same script. Float64, to REL_F64 (see tests/models.py)."""
 
 from __future__ import annotations
 
@@ -146,3 +147,44 @@ def test_tied_weight_taken_over_from_a_tp_unit_keeps_its_other_tp_weights():
         assert set(full) == set(ref_params)
         for name, ref in ref_params.items():
             assert_close_rel(full[name], ref, f"rank {rank} {name}", REL_F64)
+
+
+def _meta_dp_tp(rank, ws):
+    """torchtitan's order: build on meta, parallelize, ``fully_shard``, ``to_empty``, then write
+    every parameter's values (here the normal build's, as ``Replicate`` DTensors redistributed
+    into each parameter's layout), then train. The same script for FSDP2 and mfsdp2."""
+    from torch.distributed.fsdp import fully_shard as torch_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank(0)
+    full = {k: v.detach() for k, v in build("net", dtype=F64).named_parameters()}
+    out = {}
+    for name, shard in (("fsdp2", torch_shard), ("mfsdp2", fully_shard)):
+        with torch.device("meta"):
+            model = build("net", dtype=F64)
+        for b in model.blocks:
+            parallelize_module(b, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            shard(b, mesh=mesh["dp"])
+        shard(model, mesh=mesh["dp"])
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_(distribute_tensor(full[k], p.device_mesh, [Replicate()] * p.device_mesh.ndim))
+        inited = {k: p.full_tensor() for k, p in model.named_parameters()}
+        opt = make_opt("adamw", model.parameters())
+        losses = [sharded_train_step(model, opt, s, rank, ws, GLOBAL_BATCH, dp=(dp_rank, 2)) for s in range(STEPS)]
+        out[name] = (inited, losses, {k: p.full_tensor() for k, p in model.named_parameters()})
+    return full, out
+
+
+@pytest.mark.slow
+def test_meta_init_of_a_dp_x_tp_model_trains_like_fsdp2_and_the_reference():
+    ref_losses, ref_params = reference_run("net", "adamw", STEPS, GLOBAL_BATCH, dtype=F64)
+    for rank, (full, out) in enumerate(run_ranks(_meta_dp_tp, 4)):
+        for name, (inited, losses, final) in out.items():
+            for k, v in full.items():
+                assert torch.equal(inited[k], v), f"rank {rank} {name}: {k} not initialised as written"
+            assert_losses_close(losses, ref_losses, f"rank {rank} {name}", REL_F64)
+            for k, v in ref_params.items():
+                assert_close_rel(final[k], v, f"rank {rank} {name} {k}", REL_F64)
