@@ -28,18 +28,26 @@ def _run(rank: int, ws: int) -> dict:
         assert "fully_shard" in (_get_registry(model[2]) or {})
         replicate(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        for step in range(3):
-            x = torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * step + rank))
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        params = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone())
-                  for k, p in model.named_parameters()}
-        out[name] = (losses, params)
+        out[name] = _train(model, opt, 3, lambda s: model(
+            torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * s + rank))).pow(2).mean())
     return out
+
+
+def _train(model, opt, steps: int, loss_of) -> tuple:
+    """``(losses, full parameters)`` after ``steps`` steps of ``loss_of(step)``; the optimizer steps
+    under ``implicit_replication`` (one foreach list of plain and DTensor parameters)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    losses = []
+    for s in range(steps):
+        loss = loss_of(s)
+        loss.backward()
+        with implicit_replication():
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone())
+                    for k, p in model.named_parameters()}
 
 
 def test_replicate_over_a_model_holding_units_equals_fsdp2():
@@ -101,8 +109,6 @@ class _OverlappedHeads(nn.Module):
 
 
 def _run_unshard_async(rank: int, ws: int) -> dict:
-    from torch.distributed.tensor.experimental import implicit_replication
-
     mesh = init_device_mesh("cpu", (ws,))
     out = {}
     for name, shard in [("replicate", None)] + list(runtimes().items()):
@@ -115,17 +121,7 @@ def _run_unshard_async(rank: int, ws: int) -> dict:
         replicate(model)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 + rank))
-        losses = []
-        for _ in range(4):
-            loss = model(x).sum()
-            loss.backward()
-            with implicit_replication():  # one foreach list of plain and DTensor parameters
-                opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        params = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone())
-                  for k, p in model.named_parameters()}
-        out[name] = (losses, params)
+        out[name] = _train(model, opt, 4, lambda s: model(x).sum())
     return out
 
 

@@ -45,6 +45,19 @@ def _model(kind: str) -> nn.Module:
     return _TPStack().to(F64) if kind == "tp_stack" else build("net", dtype=F64)
 
 
+def sharded_2d(kind: str, mesh, shard) -> nn.Module:
+    """``kind``'s model with each block's two linears tensor-parallel (colwise, rowwise) over
+    ``mesh["tp"]``, each block and the root sharded over ``mesh["dp"]`` by ``shard``."""
+    model = _model(kind)
+    for b in model.blocks:
+        fc1, fc2 = (b[0], b[2]) if kind == "tp_stack" else (b.fc1, b.fc2)
+        parallelize_module(fc1, mesh["tp"], ColwiseParallel())
+        parallelize_module(fc2, mesh["tp"], RowwiseParallel())
+        shard(b, mesh=mesh["dp"])
+    shard(model, mesh=mesh["dp"])
+    return model
+
+
 def _step_grads(model: nn.Module, dp_rank: int = 0, dp_size: int = 1) -> None:
     d = model.blocks[0][0].in_features if isinstance(model, _TPStack) else model.inp.in_features
     x, y = batch(0, GB, d, dtype=F64)
@@ -74,13 +87,7 @@ def _clip_2d(rank: int, ws: int, kind: str) -> dict:
     out = {}
     for name, shard, clip in runs:
         for p in NORMS:
-            model = _model(kind)
-            for b in model.blocks:
-                fc1, fc2 = (b[0], b[2]) if kind == "tp_stack" else (b.fc1, b.fc2)
-                parallelize_module(fc1, mesh["tp"], ColwiseParallel())
-                parallelize_module(fc2, mesh["tp"], RowwiseParallel())
-                shard(b, mesh=mesh["dp"])
-            shard(model, mesh=mesh["dp"])
+            model = sharded_2d(kind, mesh, shard)
             _step_grads(model, dp_rank, 2)
             try:
                 total = clip(model.parameters(), MAX_NORM, p)

@@ -15,17 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from .._dist import run_ranks
-from ..models import F64, REL_F64, assert_close_rel, batch, build, loss_fn, make_opt
-from .test_clip_grad_tp import _TPStack
+from ..models import F64, REL_F64, assert_close_rel, batch, loss_fn, make_opt
+from .test_clip_grad_tp import sharded_2d
 
 GB = 8
-
-
-def _model(kind: str):
-    return _TPStack().to(F64) if kind == "tp_stack" else build("net", dtype=F64)
 
 
 def _scaler(name: str):
@@ -44,13 +39,7 @@ def _run(rank: int, ws: int, kind: str, scaler_name: str) -> dict:
     dp_rank = mesh.get_local_rank(0)
     out = {}
     for name, shard in (("fsdp2", torch_shard), ("mfsdp2", mfsdp2.fully_shard)):
-        model = _model(kind)
-        for b in model.blocks:
-            fc1, fc2 = (b[0], b[2]) if kind == "tp_stack" else (b.fc1, b.fc2)
-            parallelize_module(fc1, mesh["tp"], ColwiseParallel())
-            parallelize_module(fc2, mesh["tp"], RowwiseParallel())
-            shard(b, mesh=mesh["dp"])
-        shard(model, mesh=mesh["dp"])
+        model = sharded_2d(kind, mesh, shard)
         opt = make_opt("sgd", model.parameters())
         scaler = _scaler(scaler_name)
         d = model.blocks[0][0].in_features if kind == "tp_stack" else model.inp.in_features
