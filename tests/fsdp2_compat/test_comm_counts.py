@@ -2,8 +2,9 @@
 check): all-gathers and reduce-scatters for the default schedule, with the root resharded too
 (``reshard_after_forward=True`` passed to it), without reshard after forward,
 with gradient accumulation (sync on the last micro-batch only), with the tuned accumulation
-(no reshard after backward between micro-batches), and with a grouped unit ``fully_shard([a, b])``
-(gathered and reduced once per pass, not once per module). FSDP2's are counted at the
+(no reshard after backward between micro-batches), with a grouped unit ``fully_shard([a, b])``
+(gathered and reduced once per pass, not once per module), and with ``set_reshard_after_forward``
+called after ``fully_shard`` (on every unit, and with ``recurse=False`` on the root alone). FSDP2's are counted at the
 ``torch.distributed`` functions it calls, in the same process; ours with
 :data:`mfsdp2.comm.communicator.comm_stats` (on gloo our reduce-scatter is point-to-point sends, which a count
 at ``torch.distributed`` would not see as one collective).
@@ -33,7 +34,8 @@ from .._dist import run_ranks
 from ..models import F64, batch, build, loss_fn, make_opt
 
 WS, GB = 2, 8
-SCHEDULES = ["default", "root_resharded", "no_reshard_after_forward", "accumulate", "accumulate_tuned", "grouped"]
+SCHEDULES = ["default", "root_resharded", "no_reshard_after_forward", "accumulate", "accumulate_tuned", "grouped",
+             "setter_no_reshard", "setter_root_only"]
 
 
 def _step(model, opt, rank, ws, schedule, step):
@@ -92,6 +94,10 @@ def _counts(rank, ws, schedule):
             for b in model.blocks:
                 shard(b, mesh=mesh, reshard_after_forward=raf)
         shard(model, mesh=mesh, reshard_after_forward=raf)
+        if schedule == "setter_no_reshard":  # after fully_shard, on every unit
+            model.set_reshard_after_forward(False)
+        elif schedule == "setter_root_only":  # after fully_shard, on the root alone
+            model.set_reshard_after_forward(True, recurse=False)
         if name == "mfsdp2":
             model.set_all_reduce_bucket_cap_mb(0)  # every unit reduces alone, as in FSDP2
         opt = make_opt("adamw", model.parameters())
