@@ -239,12 +239,14 @@ def _found_inf_handler(op_call, args, kwargs):
     every rank of any of them agrees. Lists on one mesh keep DTensor's handling."""
     grads = args[0]
     meshes: list = []
+    ours = False
     for g in grads:
-        if isinstance(g, DTensor) and all(g.device_mesh != m for m in meshes):
-            meshes.append(g.device_mesh)
-    if (len(meshes) < 2 or torch.compiler.is_compiling()
-            or not any(isinstance(g, DTensor) and (_ours(g) or any(isinstance(pl, RowShard) for pl in g.placements))
-                       for g in grads)):
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            if not any(mesh is m or mesh == m for m in meshes):  # most share one object: no compare
+                meshes.append(mesh)
+            ours = ours or _ours(g) or any(isinstance(pl, RowShard) for pl in g.placements)  # TP ones too
+    if len(meshes) < 2 or not ours or torch.compiler.is_compiling():
         return _default(op_call, args, kwargs)
     found_inf = args[1]
     op_call([g._local_tensor if isinstance(g, DTensor) else g for g in grads], *args[1:], **kwargs)
