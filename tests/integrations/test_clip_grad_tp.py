@@ -17,50 +17,17 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from .._dist import run_ranks
-from ..models import F64, REL_F64, assert_close_rel, batch, build, loss_fn
+from ..models import F64, REL_F64, assert_close_rel, batch, loss_fn
+from ._dp_tp import input_dim, model_of, shard_dp_tp
 
 GB, MAX_NORM = 8, 0.05
 NORMS = [2.0, 1.0, 3.0, math.inf]
 
 
-class _TPStack(nn.Module):
-    """Residual MLP blocks whose every parameter is tensor-parallel once parallelized."""
-
-    def __init__(self, d: int = 12, hidden: int = 24, n_blocks: int = 2) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d)) for _ in range(n_blocks))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = x + b(x)
-        return x
-
-
-def _model(kind: str) -> nn.Module:
-    return _TPStack().to(F64) if kind == "tp_stack" else build("net", dtype=F64)
-
-
-def sharded_2d(kind: str, mesh, shard) -> nn.Module:
-    """``kind``'s model with each block's two linears tensor-parallel (colwise, rowwise) over
-    ``mesh["tp"]``, each block and the root sharded over ``mesh["dp"]`` by ``shard``."""
-    model = _model(kind)
-    for b in model.blocks:
-        fc1, fc2 = (b[0], b[2]) if kind == "tp_stack" else (b.fc1, b.fc2)
-        parallelize_module(fc1, mesh["tp"], ColwiseParallel())
-        parallelize_module(fc2, mesh["tp"], RowwiseParallel())
-        shard(b, mesh=mesh["dp"])
-    shard(model, mesh=mesh["dp"])
-    return model
-
-
 def _step_grads(model: nn.Module, dp_rank: int = 0, dp_size: int = 1) -> None:
-    d = model.blocks[0][0].in_features if isinstance(model, _TPStack) else model.inp.in_features
-    x, y = batch(0, GB, d, dtype=F64)
+    x, y = batch(0, GB, input_dim(model), dtype=F64)
     n = GB // dp_size
     loss_fn(model(x[dp_rank * n : (dp_rank + 1) * n]), y[dp_rank * n : (dp_rank + 1) * n]).backward()
 
@@ -68,7 +35,7 @@ def _step_grads(model: nn.Module, dp_rank: int = 0, dp_size: int = 1) -> None:
 def _reference(kind: str) -> dict:
     out = {}
     for p in NORMS:
-        model = _model(kind)
+        model = model_of(kind)
         _step_grads(model)
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, p)
         out[p] = (total, {k: q.grad.clone() for k, q in model.named_parameters()})
@@ -87,7 +54,7 @@ def _clip_2d(rank: int, ws: int, kind: str) -> dict:
     out = {}
     for name, shard, clip in runs:
         for p in NORMS:
-            model = sharded_2d(kind, mesh, shard)
+            model = shard_dp_tp(model_of(kind), mesh, shard)
             _step_grads(model, dp_rank, 2)
             try:
                 total = clip(model.parameters(), MAX_NORM, p)

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from .._dist import run_ranks
 from ..models import F64, REL_F64, assert_close_rel, batch, loss_fn, make_opt
-from .test_clip_grad_tp import sharded_2d
+from ._dp_tp import input_dim, model_of, shard_dp_tp
 
 GB = 8
 
@@ -39,17 +39,17 @@ def _run(rank: int, ws: int, kind: str, scaler_name: str) -> dict:
     dp_rank = mesh.get_local_rank(0)
     out = {}
     for name, shard in (("fsdp2", torch_shard), ("mfsdp2", mfsdp2.fully_shard)):
-        model = sharded_2d(kind, mesh, shard)
+        model = shard_dp_tp(model_of(kind), mesh, shard)
         opt = make_opt("sgd", model.parameters())
         scaler = _scaler(scaler_name)
-        d = model.blocks[0][0].in_features if kind == "tp_stack" else model.inp.in_features
+        d = input_dim(model)
         record = []
         for step in range(2):
             x, y = batch(step, GB, d, dtype=F64)
             n = GB // 2
             rows = slice(dp_rank * n, (dp_rank + 1) * n)
             scaler.scale(loss_fn(model(x[rows]), y[rows])).backward()
-            piece = (model.blocks[1][0] if kind == "tp_stack" else model.blocks[1].fc1).weight.grad.to_local()
+            piece = model.blocks[1].fc1.weight.grad.to_local()
             sizes = [None] * ws
             torch.distributed.all_gather_object(sizes, piece.numel())
             if step == 1 and rank == max(r for r, k in enumerate(sizes) if k > 0):

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from mfsdp2 import fully_shard
 
 from .._dist import run_ranks
+from ._dp_tp import shard_dp_tp
 from ..models import (
     F64, REL_F64, Net, assert_close_rel, assert_losses_close, build, make_opt, reference_run, reference_step,
     sharded_train_step,
@@ -29,12 +30,7 @@ GLOBAL_BATCH = 8
 
 
 def _build(mesh, strategy, **kw):
-    model = build("net", dtype=F64)
-    for b in model.blocks:
-        parallelize_module(b, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-        fully_shard(b, mesh=mesh["dp"], sharding_strategy=strategy, **kw)
-    fully_shard(model, mesh=mesh["dp"], sharding_strategy=strategy, **kw)
-    return model
+    return shard_dp_tp(build("net", dtype=F64), mesh, fully_shard, sharding_strategy=strategy, **kw)
 
 
 def _dp_tp(rank, ws, path, strategy):
@@ -163,10 +159,7 @@ def _meta_dp_tp(rank, ws):
     for name, shard in (("fsdp2", torch_shard), ("mfsdp2", fully_shard)):
         with torch.device("meta"):
             model = build("net", dtype=F64)
-        for b in model.blocks:
-            parallelize_module(b, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-            shard(b, mesh=mesh["dp"])
-        shard(model, mesh=mesh["dp"])
+        shard_dp_tp(model, mesh, shard)
         model.to_empty(device="cpu")
         with torch.no_grad():
             for k, p in model.named_parameters():
