@@ -4,7 +4,7 @@ host memory, the optimizer step on the CPU (mfsdp2/memory/offload.py).
 On a CPU mesh mfsdp2 runs the offload code path anyway -- main and model storage distinct, no
 reduce-scatter into the main gradient, copy-out after each reduction, norms summed over the host
 twin group -- so these tests exercise what a CUDA run does except the tensors' device (the CUDA
-case itself is in tests/system/test_cuda.py). Each run checks that the path was really taken (copy-out
+case itself is in tests/system/test_cuda_parity.py). Each run checks that the path was really taken (copy-out
 counts, no main gradient from the compute allocator, main weights not sharing the model buffer)
 against a control without offload that takes the other path.
 

@@ -6,7 +6,7 @@ is checked here is the bookkeeping around them, with stand-in events: the decisi
 recorded copy-in is waited before any optimizer step and at the end of backward, and that a
 group's copy-out is waited before the host writes its main gradient again and before backward
 returns. The copies on a GPU -- gradients complete when ``backward()`` returns although the GPU
-runs behind -- are tests/system/test_cuda.py's offload parity cases.
+runs behind -- are tests/system/test_cuda_parity.py's offload parity cases.
 """
 
 from __future__ import annotations

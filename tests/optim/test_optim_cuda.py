@@ -6,7 +6,7 @@ pieces: the same bits as ``torch.optim.AdamW(fused=True)`` on the same sharded p
 fused kernel is elementwise, so how tensors are grouped does not change an element's result).
 With ``state_dtype=torch.bfloat16`` the PyTorch path (``bf16_states.step_piece``) runs per piece:
 the same bits as that function applied to the unsharded parameters on the same GPU. One spawned
-process with a world-size-1 NCCL group (``tests/test_cuda.run_cuda``), three real steps, two
+process with a world-size-1 NCCL group (``tests/system/_cuda_process.run_cuda``), three real steps, two
 param groups (weight decay on matrices; amsgrad and maximize on the rest).
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ..models import batch, build, loss_fn
-from ..system.test_cuda import run_cuda
+from ..system._cuda_process import run_cuda
 
 pytestmark = pytest.mark.cuda
 

@@ -1,6 +1,6 @@
 """The documentation cites tests, modules and pages that exist.
 
-``docs/design.md`` is the map: every test it names ("Tested in: `tests/memory/test_layout.py`,
+``docs/design.md`` is the map: every test it names ("Tested in: `tests/memory/test_layout_planner.py`,
 `test_allocator.py`, ...": a bare name is in the folder of the path before it), every
 ``mfsdp2/...`` or ``tools/...`` path and every page it links must exist, so a move or a rename
 that forgets the map fails here. The other pages are held to their full paths and links.
@@ -54,8 +54,9 @@ def test_links_between_pages_exist(page):
 
 
 def test_the_checker_sees_a_missing_test():
-    text = "Tested in: `tests/memory/test_layout.py`, `test_nothing_here.py`; `tests/groups/test_reduce_plan.py`."
+    text = ("Tested in: `tests/memory/test_layout_planner.py`, `test_nothing_here.py`; "
+            "`tests/groups/test_reduce_plan.py`.")
     paths = cited_paths(text, relative_names=True)
-    assert paths == ["tests/memory/test_layout.py", "tests/memory/test_nothing_here.py",
+    assert paths == ["tests/memory/test_layout_planner.py", "tests/memory/test_nothing_here.py",
                      "tests/groups/test_reduce_plan.py"]
     assert [p for p in paths if not (ROOT / p).exists()] == ["tests/memory/test_nothing_here.py"]

@@ -147,8 +147,10 @@ def test_every_cuda_test_carries_the_cuda_marker():
                     offenders.append(f)
     assert offenders == []
     files = gpu_check.cuda_test_files()
-    for expected in ("tests/system/test_cuda.py", "tests/optim/test_optim_cuda.py", "tests/runtime/test_host_sync.py",
-                     "tests/runtime/test_profiling.py", "tests/comm/test_slow_collectives.py"):
+    for expected in ("tests/system/test_cuda_parity.py", "tests/system/test_cuda_zero_copy.py",
+                     "tests/system/test_cuda_streams.py", "tests/optim/test_optim_cuda.py",
+                     "tests/runtime/test_host_sync.py", "tests/runtime/test_profiling.py",
+                     "tests/comm/test_slow_collectives.py"):
         assert expected in files, files
 
 
@@ -162,7 +164,8 @@ def test_without_hypothesis_its_tests_skip_with_the_reason(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "hidden"), ROOT]))
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                           "-p", "no:hypothesispytest",
-                          "tests/memory/test_layout.py", "tests/precision/test_fp8_tiles.py"],
+                          "tests/memory/test_layout_planner.py", "tests/memory/test_layout_optimality.py",
+                          "tests/precision/test_fp8_tiles.py"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:]
     assert "hypothesis is not installed" in res.stdout and "error" not in res.stdout.splitlines()[-1]
