@@ -1,17 +1,19 @@
-"""The scheduler: overlap proven by event order, memory bounds, activation checkpointing, gradient
+"""The scheduler: overlap proven by event order, memory bounds, profiler ranges, gradient
 accumulation, and recovery from passes that leave the recorded order.
+
+The default schedule is checked on one run of 6 steps: the forward prefetches the next block's
+all-gather before the current block computes (two ahead after ``set_prefetch_depth(2)``), the
+backward overlaps each block's reduce-scatter with the next block's backward and prefetch, and
+the allocator's peaks of gathered weights and gradient buffers stay at the bounds that ordering
+allows. The variants then change what a step does (micro-batches without sync, eval passes, a
+skipped block, two forwards per backward, reshard settings, explicit ``unshard``): each must
+still train like the unsharded reference and the schedule must recover its prefetching.
 
 Every parity check compares against a single-process, unsharded reference that runs the same
 model class on the whole global batch (float64, losses, eval outputs and final parameters within
-REL_F64 relative: see tests/models.py).
-
-Spawning ranks costs several seconds, so each ``run_ranks`` call runs several configurations one
-after the other on fresh models and returns what each step observed (event log, allocator peaks,
-collective counts, schedule counters); module-scoped fixtures share one spawn between the test
-functions that check different aspects of the same runs, and the checks run in the parent. A
-configuration that raises inside a rank fails its spawn (a rank that stops mid-collective would
-leave its peer hanging, so there is no carrying on), and every test of that fixture reports the
-rank's traceback.
+REL_F64 relative: see tests/models.py). The model, the reference and the rank-side runner are in
+``_schedule_runs.py``; each module-scoped fixture here is one spawn of ranks whose recorded steps
+several tests check.
 
 Unit names in the event log are module paths: ``"root"`` for the root, ``"blocks.<i>"`` for the
 blocks. Steps are counted from 0: step 0 records the order, steps >= 1 predict from it.
@@ -19,264 +21,15 @@ blocks. Steps are counted from 0: step 0 records the order, steps >= 1 predict f
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
-from mfsdp2 import FSDPModule, MixedPrecisionPolicy, UnshardHandle, fully_shard
-from mfsdp2.comm.communicator import comm_stats
-from mfsdp2.base.profiling import event_log
+from mfsdp2 import UnshardHandle
 
-from .._dist import run_ranks
-from ..models import F64, REL_F64, Block, Net, assert_close_rel, assert_losses_close, batch, loss_fn, make_opt
-
-WS = 2
-N_BLOCKS = 4
-N_UNITS = N_BLOCKS + 1  # blocks + root
-D_IN = 12
-BLOCKS = [f"blocks.{i}" for i in range(N_BLOCKS)]
-
-
-# -- the model ------------------------------------------------------------------------------------
-class CkptBlock(Block):
-    """A block whose own forward is checkpointed *inside* the FSDP unit (the hooks wrap the checkpoint)."""
-
-    reentrant = False
-
-    def forward(self, x):
-        return checkpoint(functools.partial(Block.forward, self), x, use_reentrant=self.reentrant)
-
-
-class SchedNet(Net):
-    """``Net`` with 4 blocks, optional activation checkpointing and a per-step set of skipped blocks."""
-
-    def __init__(self, ckpt: str = "none"):
-        super().__init__(d_in=D_IN, n_blocks=N_BLOCKS)
-        self.ckpt = ckpt
-        self.skip: tuple = ()
-        if ckpt.startswith("inside"):
-            for b in self.blocks:
-                b.__class__ = CkptBlock
-                b.reentrant = ckpt == "inside-reentrant"
-
-    def forward(self, x):
-        h = self.inp(x)  # requires grad: a reentrant checkpoint of a block gets an input that needs grad
-        for i, b in enumerate(self.blocks):
-            if i in self.skip:
-                continue
-            if self.ckpt.startswith("around"):
-                # Checkpoint a whole FSDP module: its hooks run inside the checkpointed region and,
-                # for the reentrant flavour, its forward runs under no_grad and is recomputed in backward.
-                h = checkpoint(b, h, use_reentrant=self.ckpt == "around-reentrant")
-            else:
-                h = b(h)
-        return self.head(h)
-
-
-def _build(cfg) -> SchedNet:
-    torch.manual_seed(0)
-    return SchedNet(cfg.get("ckpt", "none")).to(F64)
-
-
-# -- one training step, shared by the reference and the ranks -------------------------------------
-def _rows(t: torch.Tensor, part):
-    """Rows of ``t`` that rank ``part = (rank, ws)`` holds; ``(0, 1)`` is the whole tensor."""
-    r, n = part
-    k = t.shape[0] // n
-    return t[r * k : (r + 1) * k]
-
-
-def _micro_batches(step, cfg):
-    x, y = batch(step, cfg["batch"], D_IN, dtype=F64)
-    m = cfg.get("micro", 1)
-    return list(zip(x.chunk(m), y.chunk(m)))
-
-
-def _loss(model, x, y, cfg, part):
-    """The (micro-)batch loss; with ``multi_forward`` two forwards feed one backward."""
-    if cfg.get("multi_forward"):
-        (x1, x2), (y1, y2) = x.chunk(2), y.chunk(2)
-        return loss_fn(model(_rows(x1, part)), _rows(y1, part)) + loss_fn(model(_rows(x2, part)), _rows(y2, part))
-    return loss_fn(model(_rows(x, part)), _rows(y, part))
-
-
-def _eval_batch():
-    return batch(10_000, 8, D_IN, dtype=F64)[0]
-
-
-def reference(cfg):
-    """Single process, unsharded, whole global batch: losses, eval outputs and final parameters."""
-    torch.set_num_threads(1)
-    model = _build(cfg)
-    opt = make_opt(cfg["opt"], list(model.parameters()))
-    losses, evals = [], {}
-    micro = cfg.get("micro", 1)
-    for step in range(cfg["steps"]):
-        model.skip = cfg.get("skip", {}).get(step, ())
-        total = 0.0
-        for x, y in _micro_batches(step, cfg):
-            loss = _loss(model, x, y, cfg, (0, 1)) / micro
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-        if step in cfg.get("eval_after", ()):
-            with torch.no_grad():
-                evals[step] = model(_eval_batch())
-    return losses, evals, {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-# -- the ranks ------------------------------------------------------------------------------------
-def _run_one(rank, ws, cfg):
-    mesh = init_device_mesh("cpu", (ws,))
-    part = (rank, ws)
-    model = _build(cfg)
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh, reshard_after_forward=cfg.get("reshard_after_forward", True))
-    fully_shard(model, mesh=mesh)
-    # This file checks the per-unit reduce-scatter schedule; small units at two ranks on gloo would
-    # share bucketed all-reduces instead (tests/groups/test_grad_buckets.py).
-    model.set_all_reduce_bucket_cap_mb(0)
-    if not cfg.get("reshard_after_backward", True):
-        model.set_reshard_after_backward(False)
-    params = dict(model.named_parameters())  # the DTensors the optimizer owns, by name
-    opt = make_opt(cfg["opt"], list(params.values()))
-    if cfg.get("unshard_async"):
-        # The very first call on the model is unshard(): it runs before the root context (and its
-        # allocator) exist, and its accounting must still balance once they do.
-        first = model.unshard(async_op=True)
-        first.wait()
-    stats = model.allocator.stats
-    sched = model._mfsdp2_state.ctx.schedule
-    micro = cfg.get("micro", 1)
-    out: dict = {"steps": [], "evals": {}}
-    event_log.enabled = True
-    try:
-        for step in range(cfg["steps"]):
-            if step == cfg.get("depth2_from"):
-                model.set_prefetch_depth(2)
-            model.skip = cfg.get("skip", {}).get(step, ())
-            prof = None
-            if step == cfg.get("profile_step"):
-                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-                prof.__enter__()
-            rec: dict = {"micro": [], "mispredictions_before": sched.mispredictions}
-            total = torch.zeros((), dtype=F64)
-            for m, (x, y) in enumerate(_micro_batches(step, cfg)):
-                if micro > 1:
-                    model.set_requires_gradient_sync(m == micro - 1)
-                mb: dict = {}
-                comm_stats.reset()
-                event_log.clear()
-                stats.reset_peak()
-                mb["live_weight_before"] = stats.live_by_role.get("weight", 0)
-                if cfg.get("unshard_async") and step > 0:
-                    handle = model.unshard(async_op=True)
-                    mb["handle"] = type(handle).__name__
-                    handle.wait()
-                    mb["root_unsharded_after_wait"] = model._mfsdp2_state.shard_state.value
-                loss = _loss(model, x, y, cfg, part) / micro
-                mb["fwd_events"] = list(event_log.events)
-                mb["fwd_peak_weight"] = stats.peak_by_role.get("weight", 0)
-                mb["fwd_ag"] = comm_stats.all_gather_calls
-                mb["live_weight_after_fwd"] = stats.live_by_role.get("weight", 0)
-                event_log.clear()
-                stats.reset_peak()
-                loss.backward()
-                mb["bwd_events"] = list(event_log.events)
-                mb["bwd_peak_weight"] = stats.peak_by_role.get("weight", 0)
-                mb["bwd_peak_grad"] = stats.peak_by_role.get("grad", 0)
-                mb["live_weight_after_bwd"] = stats.live_by_role.get("weight", 0)
-                mb["live_grad_after_bwd"] = stats.live_by_role.get("grad", 0)
-                mb["ag"] = comm_stats.all_gather_calls
-                mb["rs"] = comm_stats.reduce_scatter_calls
-                rec["micro"].append(mb)
-                total += loss.detach()
-            if cfg.get("unshard_before_opt_step"):
-                # Gathers the root's *current* shards; the optimizer then changes them, so the
-                # next forward must notice the gather is stale and gather again.
-                model.unshard(async_op=True)
-            opt.step()
-            opt.zero_grad()
-            if prof is not None:
-                prof.__exit__(None, None, None)
-                rec["profile_names"] = sorted({e.name for e in prof.events() if e.name.startswith("mfsdp2")})
-            dist.all_reduce(total)
-            rec["loss"] = total.item() / ws
-            rec["mispredictions_after"] = sched.mispredictions
-            rec["recorded"] = [s.name for s in sched.recorded]
-            if step in cfg.get("eval_after", ()):
-                before = (sched.mispredictions, list(rec["recorded"]))
-                comm_stats.reset()
-                event_log.clear()
-                with torch.no_grad():
-                    y_eval = model(_rows(_eval_batch(), part))
-                out["evals"][step] = {
-                    "out": y_eval,
-                    "ag": comm_stats.all_gather_calls,
-                    "rs": comm_stats.reduce_scatter_calls,
-                    "events": list(event_log.events),
-                    "live_weight": stats.live_by_role.get("weight", 0),
-                    "schedule_unchanged": before == (sched.mispredictions, [s.name for s in sched.recorded]),
-                }
-            out["steps"].append(rec)
-    finally:
-        event_log.enabled = False
-    for mod in model.modules():  # put the DTensors back everywhere (reshard_after_backward=False leaves units gathered)
-        if isinstance(mod, FSDPModule):
-            mod.reshard()
-    out["all_dtensor_after_reshard"] = all(isinstance(p, DTensor) for p in model.parameters())
-    out["live_weight_end"] = stats.live_by_role.get("weight", 0)
-    out["params"] = {k: p.full_tensor() for k, p in params.items()}
-    return out
-
-
-def _run_configs(rank, ws, cfgs):
-    results = {}
-    for name, cfg in cfgs.items():
-        try:
-            results[name] = cfg.get("fn", _run_one)(rank, ws, cfg)
-        except Exception as e:
-            raise RuntimeError(f"configuration {name!r} failed on rank {rank}") from e
-        dist.barrier()
-    return results
-
-
-# -- checks ---------------------------------------------------------------------------------------
-def assert_parity(results, cfg):
-    ref_losses, ref_evals, ref_params = reference(cfg)
-    assert ref_losses[-1] < ref_losses[0], "the reference did not train: parity would prove nothing"
-    for rank, res in enumerate(results):
-        losses = [s["loss"] for s in res["steps"]]
-        assert_losses_close(losses, ref_losses, f"rank {rank}", REL_F64)
-        assert set(res["params"]) == set(ref_params)
-        for name, ref in ref_params.items():
-            assert_close_rel(res["params"][name], ref, f"rank {rank} {name}", REL_F64)
-        for step, ref_out in ref_evals.items():
-            assert_close_rel(res["evals"][step]["out"], _rows(ref_out, (rank, len(results))),
-                             f"rank {rank} eval {step}", REL_F64)
-        assert res["all_dtensor_after_reshard"]
-        assert res["live_weight_end"] == 0
-
-
-def _pos(events, kind, unit):
-    hits = [i for i, e in enumerate(events) if e == (kind, unit)]
-    assert len(hits) == 1, f"expected exactly one {(kind, unit)} in the pass, found {len(hits)}: {events}"
-    return hits[0]
-
-
-def _spawn(cfgs, ws=WS):
-    return run_ranks(_run_configs, ws, cfgs, timeout=150)
+from ._schedule_runs import BLOCKS, N_BLOCKS, N_UNITS, _pos, _spawn, assert_parity
 
 
 # =================================================================================================
-# 1, 2, 6: the default schedule: overlap by order, allocator peaks, profiler ranges, parity
+# the default schedule: overlap by order, allocator peaks, profiler ranges, parity
 # =================================================================================================
 BASE = dict(opt="adamw", batch=8, steps=6, depth2_from=4, profile_step=3)
 
@@ -375,88 +128,7 @@ def test_profiler_trace_has_named_ranges(base_run):
 
 
 # =================================================================================================
-# 3: activation checkpointing inside FSDP units and around whole FSDP modules
-# =================================================================================================
-CKPT_MODES = ["inside-reentrant", "inside-nonreentrant", "around-reentrant", "around-nonreentrant"]
-CKPT = {m: dict(opt="adamw", batch=8, steps=4, ckpt=m) for m in CKPT_MODES}
-
-
-def _mp_region(block, x):
-    """A checkpointed region where an FSDP unit's (cast) output is saved by an op after it."""
-    return torch.sin(block(x))
-
-
-def _mp_region_inputs():
-    torch.manual_seed(0)
-    return Block(8, 16), torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
-
-
-def _run_mp_region(rank, ws, cfg):
-    block, x = _mp_region_inputs()
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
-    fully_shard(block, mesh=init_device_mesh("cpu", (ws,)), mp_policy=mp)
-    x.requires_grad_()
-    y = checkpoint(_mp_region, block, x, use_reentrant=False)
-    y.sum().backward()
-    return {"y": y.detach(), "x_grad": x.grad}
-
-
-CKPT["mp_output_cast"] = dict(fn=_run_mp_region)
-
-
-@pytest.fixture(scope="module")
-def ckpt_run():
-    return _spawn(CKPT)
-
-
-@pytest.mark.parametrize("mode", CKPT_MODES)
-def test_checkpoint_parity(ckpt_run, mode):
-    assert_parity([r[mode] for r in ckpt_run], CKPT[mode])
-
-
-def test_checkpoint_recompute_casts_outputs_like_forward(ckpt_run):
-    """With ``output_dtype``, the recompute must produce what the forward produced (fp32 here, from
-    bf16 compute), or the non-reentrant checkpoint rejects the recomputed saved tensors."""
-    block, x = _mp_region_inputs()
-    ref_block = block.to(torch.bfloat16)  # what the unit computes with: bf16 weights and inputs
-    x.requires_grad_()
-    y = torch.sin(ref_block(x.to(torch.bfloat16)).float())
-    y.sum().backward()
-    for rank, res in enumerate(r["mp_output_cast"] for r in ckpt_run):
-        assert res["y"].dtype == torch.float32
-        # The same casts on the same values: a bf16 rounding (2^-8 = 3.9e-3 relative) of any
-        # intermediate differing would exceed 1e-3, so this asks for the same computation.
-        assert_close_rel(res["y"], y.detach(), f"rank {rank} y", rel=1e-3)
-        assert_close_rel(res["x_grad"], x.grad, f"rank {rank} x.grad", rel=1e-3)
-
-
-@pytest.mark.parametrize("mode", CKPT_MODES)
-def test_checkpoint_gathers_once_per_pass(ckpt_run, mode):
-    """One all-gather per unit per forward, one per block per backward, none for the recompute."""
-    for rank, res in enumerate(r[mode] for r in ckpt_run):
-        for step, s in enumerate(res["steps"]):
-            mb = s["micro"][0]
-            where = (rank, step, mb["fwd_ag"], mb["ag"], mb["rs"])
-            assert mb["fwd_ag"] == N_UNITS, where
-            assert mb["ag"] == 1 + 2 * N_BLOCKS, where
-            assert mb["rs"] == N_UNITS, where
-            assert mb["bwd_peak_grad"] <= 2 and mb["live_weight_after_bwd"] == 0, where
-            if mode.startswith("around"):
-                # The recompute ran the FSDP module again inside backward (its hooks saw it) ...
-                for b in BLOCKS:
-                    assert ("forward_begin", b) in mb["bwd_events"], (where, mb["bwd_events"])
-            if step >= 1:
-                # ... and the backward still prefetches the next block in steady state.
-                ev = mb["bwd_events"]
-                for i in range(1, N_BLOCKS):
-                    assert _pos(ev, "ag_issue", BLOCKS[i - 1]) < _pos(ev, "backward_begin", BLOCKS[i]), (where, ev)
-        # Never a misprediction: the reentrant flavour around whole modules (whose forward runs
-        # under no_grad, unhooked) is learned in step 0 and predicted from step 1 on.
-        assert [s["mispredictions_after"] for s in res["steps"]] == [0] * len(res["steps"])
-
-
-# =================================================================================================
-# 4, 5: gradient accumulation and passes that change the schedule
+# gradient accumulation and passes that change the schedule
 # =================================================================================================
 VARIANTS = {
     # 4 micro-batches of 4 rows, no sync on the first 3. SGD: its update scales with the gradient,
