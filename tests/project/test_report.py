@@ -77,7 +77,7 @@ def test_rewrite_replaces_only_the_blocks_and_refuses_unknown_markers(report):
 
 
 def test_a_missing_source_renders_as_the_command_that_records_it(report, monkeypatch, tmp_path):
-    monkeypatch.setattr(report, "RESULTS", str(tmp_path))
+    monkeypatch.setattr(report.data, "RESULTS", str(tmp_path))
     blocks = report.render_blocks()
     assert "python benchmarks/compare_fsdp2.py" in blocks["compare_step"]
     assert "Not recorded" in blocks["compare_step"]
