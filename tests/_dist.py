@@ -111,7 +111,7 @@ def _entry(rank, world_size, port, fn, args, queue):
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint", "mfsdp2"]
 
 
-def _context():
+def process_context():
     """Ranks are forked from a forkserver that has imported torch and mfsdp2 once per pytest run.
 
     Each rank is still a fresh process for the test (nothing has run in the server but imports:
@@ -127,7 +127,7 @@ def _context():
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     """``[fn(rank, world_size, *args) for rank]`` on spawned ranks; raises on any rank's failure."""
-    ctx = _context()
+    ctx = process_context()
     queue = ctx.Queue()
     store = held_store()  # referenced until the ranks are done: the port stays ours
     port = store.port

@@ -21,6 +21,7 @@ import torch
 
 from mfsdp2.optim import kernel
 
+from .._dist import process_context
 from .._optional import given, settings, st
 
 ARITH = kernel.native_arithmetic()
@@ -278,17 +279,26 @@ def test_single_loop_variant_equals_ieee_reference(n, cfg, nonfinite):
 
 @built
 @pytest.mark.slow
+def _probe_in_child(queue) -> None:
+    from mfsdp2.optim import kernel
+    queue.put(str(kernel.native_arithmetic()))
+
+
 def test_probe_succeeds_in_fresh_processes():
     """The probe is the first MKL VML use of a fresh process: without settling VML's
     initialisation on one thread first, torch's reference sqrt was wrong in about one process in
-    five (its second thread's chunk, up to 3e-4 relative) and the native kernel refused there."""
-    import os
-    import subprocess
-    import sys
+    five (its second thread's chunk, up to 3e-4 relative) and the native kernel refused there.
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = "from mfsdp2.optim import kernel; print(kernel.native_arithmetic())"
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    found = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
-                            timeout=120).stdout.strip() for _ in range(8)]
+    The processes come from the suite's forkserver (tests/_dist.py): torch and mfsdp2 are
+    imported there, nothing has run, so each child's probe is its first VML call, with torch's
+    default thread count."""
+    ctx = process_context()
+    found = []
+    for _ in range(8):
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_probe_in_child, args=(queue,))
+        proc.start()
+        found.append(queue.get(timeout=120))
+        proc.join(timeout=30)
+        assert proc.exitcode == 0, proc.exitcode
     assert found == [str(ARITH)] * 8, found

@@ -93,7 +93,7 @@ def test_a_timeout_and_a_collection_error_are_reported_and_the_rest_runs(tmp_pat
     env.pop("OUT", None)
     good = gpu_check.DRY_TESTS["cuda_tests"][0]
     res = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(out),
-                          "--budgets", "benchmark=12", "--simulate-timeout", "benchmark",
+                          "--budgets", "benchmark=6", "--simulate-timeout", "benchmark",
                           "--dry-tests", f"{good},{broken}"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=330)
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
@@ -102,8 +102,8 @@ def test_a_timeout_and_a_collection_error_are_reported_and_the_rest_runs(tmp_pat
     assert list(steps) == list(gpu_check.STEPS)  # every step ran or was recorded
     assert not s["ok"] and s["failed_steps"] == ["cuda_tests", "benchmark"], s["failed_steps"]
     bench = steps["benchmark"]
-    assert bench["status"] == "timeout" and bench["seconds"] <= 12 + 2, bench
-    assert "timed out" in s["causes"]["benchmark"] and "12 s budget" in s["causes"]["benchmark"]
+    assert bench["status"] == "timeout" and bench["seconds"] <= 6 + 2, bench
+    assert "timed out" in s["causes"]["benchmark"] and "6 s budget" in s["causes"]["benchmark"]
     tests = steps["cuda_tests"]
     assert tests["counts"]["passed"] == 1, tests  # the good test still ran
     assert "collection errors in" in s["causes"]["cuda_tests"] and "test_broken_collect.py" in s["causes"]["cuda_tests"]
