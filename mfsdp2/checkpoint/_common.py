@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..base import compat
 from ..dtensors.placement import (
-    RowShard, communicable, mark_write_nothing, row_sharded_dtensor, wrap_local, write_nothing,
+    RowShard, communicable, mark_write_nothing, offset_free, row_sharded_dtensor, wrap_local, write_nothing,
 )
 from ..runtime.state import unit_state
 
@@ -128,7 +128,7 @@ def relabel_rows(local: torch.Tensor, like: DTensor, rows: Sequence[int]) -> DTe
     for the key to exist in the checkpoint: rank 0 does).
     """
     shape = (sum(rows),) + tuple(local.shape[1:])
-    out = row_sharded_dtensor(local, like.device_mesh, rows, shape)  # wraps ``local`` itself, never moves it
+    out = offset_free(row_sharded_dtensor(local, like.device_mesh, rows, shape))  # ``local`` itself, never moved
     if local.shape[0] == 0 and (out.numel() > 0 or mesh_rank(like) != 0):
         mark_write_nothing(out)
     return out

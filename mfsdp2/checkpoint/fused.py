@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..dtensors.placement import chunk_rows, wrap_local
+from ..dtensors.placement import chunk_rows, offset_free, wrap_local
 from ._common import full_of, global_rows, mesh_rank, relabel_rows, row_range
 
 __all__ = ["split_fused", "join_fused", "split_swiglu", "join_swiglu"]
@@ -70,7 +70,7 @@ def _split_value(v: Any, sizes: Sequence[int]) -> list[Any]:
     if rows is None:  # Replicate: the local tensor is the full value
         mesh, pl = v.device_mesh, v.placements
         return [
-            wrap_local(part, mesh, pl, part.shape, part.stride())
+            offset_free(wrap_local(part, mesh, pl, part.shape, part.stride()))
             for part in torch.split(v.to_local(), list(sizes), dim=0)
         ]
     rank = mesh_rank(v)

@@ -55,7 +55,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..dtensors.placement import RowShard, communicable, wrap_local
+from ..dtensors.placement import RowShard, communicable, offset_free, wrap_local
 from ..groups.param_group import mark_empty_pieces
 from ..memory.offload import settle_host_reads
 from ._common import check_loadable, full_of, global_rows, mark_write_nothing, relabel_rows, row_range
@@ -121,7 +121,7 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, loca
     settle_host_reads()
     for key, dp in _subclass_entries(module, prefix):
         if key in state_dict:
-            state_dict[key] = dp if isinstance(state_dict[key], nn.Parameter) else dp.detach()
+            state_dict[key] = dp if isinstance(state_dict[key], nn.Parameter) else offset_free(dp.detach())
     for key, dp, rows in _own_entries(module, prefix):
         if key not in state_dict:
             continue
@@ -133,7 +133,7 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, loca
             out = wrap_local(local, dp.device_mesh, dp.placements, dp.shape, dp.stride())
             if local.numel() == 0 and dp.numel() > 0:
                 mark_write_nothing(out)
-            state_dict[key] = out
+            state_dict[key] = offset_free(out)
         else:
             state_dict[key] = relabel_rows(dp._local_tensor.detach(), dp, rows)
 

@@ -40,8 +40,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..base import compat
 from ..comm.devices import group_backend
 
-__all__ = ["RowShard", "row_sharded_dtensor", "data_parallel_dtensor", "chunk_rows", "wrap_local", "communicable",
-           "mark_write_nothing", "write_nothing"]
+__all__ = ["RowShard", "row_sharded_dtensor", "data_parallel_dtensor", "chunk_rows", "wrap_local", "offset_free",
+           "communicable", "mark_write_nothing", "write_nothing"]
 
 
 class RowShard(Shard):
@@ -207,6 +207,29 @@ def wrap_local(
                                   stride=tuple(stride))
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=local.requires_grad)
+
+
+def offset_free(t: DTensor) -> DTensor:
+    """``t``, or the same DTensor (the same local tensor and spec, nothing copied) whose wrapper
+    has storage offset 0: what a state dict hands out.
+
+    Why: ``DTensor(local, ...)`` gives the wrapper its local tensor's storage offset, and ours are
+    views into flat buffers, so all but the first of a group have one. torch code that copies
+    tensors generically tells a subclass wrapper from a plain tensor by ``data_ptr() == 0`` (a
+    wrapper has no storage, so its data pointer is its offset): DCP's ``async_save`` stager
+    (``_offload_tensor``), ``torch.save``'s pickler. With an offset they take the wrapper for a
+    plain tensor and read its absent storage ("invalid python storage"). FSDP2's pieces each own
+    their storage, so its wrappers have offset 0. Only state-dict entries get this form: the
+    parameters keep torch's own construction, which ``torch.compile`` rebuilds the same way
+    (``__tensor_unflatten__``) when it traces them."""
+    if t.storage_offset() == 0:
+        return t
+    out = torch.Tensor._make_wrapper_subclass(
+        type(t), t.shape, strides=t.stride(), storage_offset=0, dtype=t.dtype, device=t.device, layout=t.layout,
+        requires_grad=t.requires_grad)
+    out._spec = t._spec
+    out._local_tensor = t._local_tensor
+    return out
 
 
 def communicable(t: DTensor) -> DTensor:

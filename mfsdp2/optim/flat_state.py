@@ -31,6 +31,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype
 
+from ..dtensors.placement import offset_free
+
 __all__ = ["FlatState", "STATE_KEYS"]
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -125,7 +127,7 @@ class FlatState:
             for k in STATE_KEYS:
                 flat = getattr(self, k)
                 if flat is not None:
-                    v[k] = g.as_dtensor(self._local(flat, i), i, shape)
+                    v[k] = offset_free(g.as_dtensor(self._local(flat, i), i, shape))  # state-dict entries
             self.views[i] = v
         return v
 
