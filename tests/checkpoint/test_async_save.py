@@ -15,9 +15,15 @@ Each case: two steps, ``async_save``, a third step while the save is in flight, 
 checkpoint loaded into a fresh model and optimizer (trained one step on other weights, so its
 states exist and differ) must equal the step-2 state bit for bit, model and optimizer. torch
 FSDP2 runs the same case in the same ranks, and each runtime loads the other's checkpoint.
+
+``copy.deepcopy(model.state_dict())`` (a "best weights so far" copy) goes through the same test in
+``Tensor.__deepcopy__``: each case also takes one before the save and checks it still holds the
+step-2 weights after the third step.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -76,12 +82,14 @@ def _rank(rank: int, ws: int, root: str) -> dict:
         _train(model, opt, 2, 0, rank, ws)
         at_save = _snapshot(model, opt)
         m_sd, o_sd = dsd.get_state_dict(model, opt)
+        kept = copy.deepcopy(model.state_dict())
         kind = AsyncCheckpointerType.PROCESS if executor == "process" else AsyncCheckpointerType.THREAD
         future = dcp.async_save({"model": m_sd, "optim": o_sd}, checkpoint_id=f"{root}/{name}",
                                 process_group=saver_group, async_checkpointer_type=kind)
         _train(model, opt, 1, 2, rank, ws)  # writes the weights and states the save was given
         future.result()
         out[name] = {"at_save": at_save, "after": _snapshot(model, opt),
+                     "deepcopy": {k: v.full_tensor() for k, v in kept.items()},
                      "loaded": _loaded(runtime, optimizer, f"{root}/{name}", rank)}
     # Each runtime loads the other's checkpoint (torch's AdamW on both sides).
     out["fsdp2_from_mfsdp2"] = _loaded("fsdp2", "torch", f"{root}/mfsdp2", rank)
@@ -108,6 +116,8 @@ def test_async_checkpoint_holds_the_state_at_save_time(runs, case):
         changed = [k for k in r["at_save"] if not torch.equal(r["at_save"][k], r["after"][k])]
         assert changed, f"rank {rank}: the step after the save changed nothing: the test has no signal"
         _same(r["loaded"], r["at_save"], f"{case} rank {rank}")
+        model_at_save = {k[1:]: v for k, v in r["at_save"].items() if k[0] == 0}  # (model, optimizer)
+        _same({(k,): v for k, v in r["deepcopy"].items()}, model_at_save, f"{case} rank {rank}: deep copy")
 
 
 @pytest.mark.slow
