@@ -1,11 +1,14 @@
 """``torch.save(model.state_dict(), path)`` / ``torch.load(path)`` (``weights_only`` default) on an
 mfsdp2 model, as FSDP2 users write rank-local checkpoints: every rank saves its DTensors, a fresh
-model loads them and holds exactly the saved weights; optimizer state dicts too.
+model loads them and holds exactly the saved weights; optimizer state dicts too. A list of the
+parameters themselves saves and loads as on FSDP2 (parameters again, the same values).
 
-Before: saving failed ("Attempted to access the data pointer on an invalid python storage") for
-every parameter but the first of each group, whose local tensor starts at a nonzero offset of
-the flat shard. And ``copy.deepcopy`` of a sharded model is refused with FSDP2's error type and
-what to do instead (before: an obscure storage error)."""
+What can go wrong: a parameter's local tensor starts at a nonzero offset of the flat shard (all
+but the first of a group), and its DTensor wrapper takes that offset, so torch's pickler would
+take the wrapper for a plain tensor ("Attempted to access the data pointer on an invalid python
+storage"); and a parameter carries a weak reference of ours, which cannot be pickled
+(mfsdp2/checkpoint/serialization.py). ``copy.deepcopy`` of a sharded model is refused with
+FSDP2's error type and what to do instead."""
 
 from __future__ import annotations
 
@@ -52,6 +55,30 @@ def test_torch_save_and_load_of_a_sharded_state_dict(tmp_path):
         for k, w in want.items():
             assert torch.equal(got[k], w), k
         assert got_loss == want_loss  # same weights, same optimizer state: the same next step
+
+
+def _save_parameters(rank, ws, path):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (ws,))
+    out = {}
+    for name, shard in (("mfsdp2", None), ("fsdp2", torch_fully_shard)):
+        model = shard_blocks(build("net", dtype=F64), mesh, fully_shard=shard)
+        opt = make_opt("adamw", model.parameters())
+        sharded_train_step(model, opt, 0, rank, ws, GB)
+        f = os.path.join(path, f"{name}_params_rank{rank}.pt")
+        torch.save(list(model.parameters()), f)
+        loaded = torch.load(f)
+        out[name] = [(isinstance(q, torch.nn.Parameter) and isinstance(q, DTensor),
+                      torch.equal(q.full_tensor(), p.full_tensor()))
+                     for q, p in zip(loaded, model.parameters(), strict=True)]
+    return out
+
+
+def test_torch_save_of_the_parameters_loads_them_as_on_fsdp2(tmp_path):
+    for res in run_ranks(_save_parameters, WS, str(tmp_path)):
+        assert res["fsdp2"] and res["mfsdp2"] == res["fsdp2"], res
+        assert all(a and b for a, b in res["mfsdp2"]), res["mfsdp2"]
 
 
 def _deepcopy(rank, ws):
