@@ -22,11 +22,10 @@ import functools
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from . import full
-from ..models import F64, batch, loss_fn, make_opt
+from ..models import F64, Block, batch, loss_fn, make_opt
 
 STEPS, GB, D_IN = 3, 8, 12
 RUNTIMES = {"fsdp2": None, "zero3": "optim_grads_params", "zero2": "optim_grads", "no_shard": "no_shard"}
@@ -37,24 +36,13 @@ def _ours(ws: int) -> tuple:
     return ("zero3", "zero2", "no_shard") if ws > 1 else ("zero3", "zero2")
 
 
-class Block(nn.Module):
-    def __init__(self, d: int = 16, hidden: int = 40):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, hidden)
-        self.fc2 = nn.Linear(hidden, d)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
 class TitanNet(nn.Module):
     """torchtitan's layout: embedding-like input, blocks, final norm, output layer."""
 
     def __init__(self, d: int = 16, d_out: int = 5):
         super().__init__()
         self.inp = nn.Linear(D_IN, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(2))
+        self.blocks = nn.ModuleList(Block(d, 40) for _ in range(2))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, d_out)
 
