@@ -217,7 +217,7 @@ def offset_free(t: DTensor) -> DTensor:
     views into flat buffers, so all but the first of a group have one. torch code that copies
     tensors generically tells a subclass wrapper from a plain tensor by ``data_ptr() == 0`` (a
     wrapper has no storage, so its data pointer is its offset): DCP's ``async_save`` stager
-    (``_offload_tensor``), ``torch.save``'s pickler. With an offset they take the wrapper for a
+    (``_offload_tensor``), ``Tensor.__deepcopy__``, ``torch.save``'s pickler. With an offset they take the wrapper for a
     plain tensor and read its absent storage ("invalid python storage"). FSDP2's pieces each own
     their storage, so its wrappers have offset 0. Only state-dict entries get this form: the
     parameters keep torch's own construction, which ``torch.compile`` rebuilds the same way
