@@ -6,8 +6,8 @@ going on while it is in flight.
 What can go wrong: the stager copies every tensor to host memory before ``async_save`` returns,
 telling a DTensor wrapper from a plain tensor by ``data_ptr() == 0``. Our parameters' local
 tensors are views into flat shards, and a DTensor wrapper takes its local tensor's storage offset,
-so without :func:`mfsdp2.dtensors.placement.offset_free` on the state-dict entries the stager read
-the wrappers' absent storage and failed ("invalid python storage"). The flat AdamW's states are
+so without :func:`mfsdp2.dtensors.placement.offset_free` on the state-dict entries the stager reads
+the wrappers' absent storage and fails ("invalid python storage"). The flat AdamW's states are
 views of flat buffers too. And the copy must be taken before the next step writes the weights: a
 checkpoint holding a torn or later state would resume silently wrong.
 
