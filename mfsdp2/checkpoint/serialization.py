@@ -35,7 +35,7 @@ _OURS = "_mfsdp2"  # the prefix of the runtime's own attributes on tensors (mfsd
 
 
 def _reduce_dtensor(t: DTensor):
-    ours = [k for k in t.__dict__ if k.startswith(_OURS)]
+    ours = any(k.startswith(_OURS) for k in t.__dict__)
     if t.storage_offset() == 0 and not t._local_tensor.__dict__ and not ours:
         return t.__reduce_ex__(2)
     # A fresh copy: offset 0 (so is the wrapper's), and none of our Python attributes -- on the
@@ -45,8 +45,8 @@ def _reduce_dtensor(t: DTensor):
     # pickled). The user's attributes and parameter-ness (``_is_param``) are kept.
     local = t._local_tensor.detach().clone()
     out = DTensor(local, t._spec, requires_grad=t.requires_grad)
-    for k, v in t.__dict__.items():
-        if not k.startswith(_OURS) and k not in ("_spec", "_local_tensor"):
+    for k, v in t.__dict__.items():  # DTensor's own fields are slots: only Python attributes here
+        if not k.startswith(_OURS):
             setattr(out, k, v)
     return out.__reduce_ex__(2)
 
