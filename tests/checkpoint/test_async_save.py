@@ -35,7 +35,7 @@ from mfsdp2.checkpoint.state_dict import tensors_by_path
 
 from .._dist import run_ranks
 from ..models import make_opt
-from .test_checkpoint import _sharded, _train
+from .test_checkpoint import _assert_same, _sharded, _train
 
 FULL = dsd.StateDictOptions(full_state_dict=True)
 WS = 2
@@ -102,12 +102,6 @@ def runs(tmp_path_factory):
     return run_ranks(_rank, WS, str(tmp_path_factory.mktemp("async_save")), timeout=300)
 
 
-def _same(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys() and len(a) > 0, f"{what}: keys differ {sorted(map(str, a.keys() ^ b.keys()))[:6]}"
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_async_checkpoint_holds_the_state_at_save_time(runs, case):
@@ -115,13 +109,13 @@ def test_async_checkpoint_holds_the_state_at_save_time(runs, case):
         r = res[case]
         changed = [k for k in r["at_save"] if not torch.equal(r["at_save"][k], r["after"][k])]
         assert changed, f"rank {rank}: the step after the save changed nothing: the test has no signal"
-        _same(r["loaded"], r["at_save"], f"{case} rank {rank}")
+        _assert_same(r["loaded"], r["at_save"], f"{case} rank {rank}")
         model_at_save = {k[1:]: v for k, v in r["at_save"].items() if k[0] == 0}  # (model, optimizer)
-        _same({(k,): v for k, v in r["deepcopy"].items()}, model_at_save, f"{case} rank {rank}: deep copy")
+        _assert_same({(k,): v for k, v in r["deepcopy"].items()}, model_at_save, f"{case} rank {rank}: deep copy")
 
 
 @pytest.mark.slow
 def test_async_checkpoints_load_across_runtimes(runs):
     for rank, res in enumerate(runs):
-        _same(res["fsdp2_from_mfsdp2"], res["mfsdp2"]["at_save"], f"FSDP2 from mfsdp2's checkpoint, rank {rank}")
-        _same(res["mfsdp2_from_fsdp2"], res["fsdp2"]["at_save"], f"mfsdp2 from FSDP2's checkpoint, rank {rank}")
+        _assert_same(res["fsdp2_from_mfsdp2"], res["mfsdp2"]["at_save"], f"FSDP2 from mfsdp2's checkpoint, rank {rank}")
+        _assert_same(res["mfsdp2_from_fsdp2"], res["fsdp2"]["at_save"], f"mfsdp2 from FSDP2's checkpoint, rank {rank}")

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint.state_dict as dsd
 
 from .._dist import run_ranks
 from ..models import make_opt
-from .test_checkpoint import _sharded, _train
+from .test_checkpoint import _assert_same, _sharded, _train
 
 FULL = dsd.StateDictOptions(full_state_dict=True)
 WS = 2
@@ -77,12 +77,6 @@ def runs(tmp_path_factory):
     return root, run_ranks(_rank, WS, root, timeout=300)
 
 
-def _same(got: dict, want: dict, what: str) -> None:
-    assert got.keys() == want.keys() and len(want) > 0, f"{what}: keys {sorted(got.keys() ^ want.keys())[:6]}"
-    for k, v in want.items():
-        assert got[k].dtype == v.dtype and torch.equal(got[k], v), f"{what}: {k} differs"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_hugging_face_format_consolidates_and_loads_back(runs, runtime):
@@ -90,8 +84,8 @@ def test_hugging_face_format_consolidates_and_loads_back(runs, runtime):
     for rank, res in enumerate(results):
         r = res[runtime]
         if rank == 0:
-            _same(r["safetensors"], r["full_model"], f"{runtime}: consolidated safetensors")
-        _same(r["hf_loaded"], r["full_model"], f"{runtime} rank {rank}: loaded from the HF checkpoint")
+            _assert_same(r["safetensors"], r["full_model"], f"{runtime}: consolidated safetensors")
+        _assert_same(r["hf_loaded"], r["full_model"], f"{runtime} rank {rank}: loaded from the HF checkpoint")
 
 
 @pytest.mark.slow
@@ -104,10 +98,10 @@ def test_offline_conversion_and_key_reads(runs, tmp_path, runtime):
     want = results[0][runtime]
     dcp_to_torch_save(f"{root}/{runtime}_dcp", str(tmp_path / "converted.pt"))
     converted = torch.load(tmp_path / "converted.pt", weights_only=False)
-    _same(converted["model"], want["full_model"], f"{runtime}: dcp_to_torch_save model")
+    _assert_same(converted["model"], want["full_model"], f"{runtime}: dcp_to_torch_save model")
     for fqn, states in want["full_optim"].items():
-        _same(converted["optim"]["state"][fqn], states, f"{runtime}: dcp_to_torch_save optimizer {fqn}")
+        _assert_same(converted["optim"]["state"][fqn], states, f"{runtime}: dcp_to_torch_save optimizer {fqn}")
     keys = {"model.head.weight", "model.blocks.1.fc1.bias"}
     part = _load_state_dict_from_keys(keys, checkpoint_id=f"{root}/{runtime}_dcp")
-    _same(part["model"], {k.split(".", 1)[1]: want["full_model"][k.split(".", 1)[1]] for k in keys},
+    _assert_same(part["model"], {k.split(".", 1)[1]: want["full_model"][k.split(".", 1)[1]] for k in keys},
           f"{runtime}: keys read from the checkpoint")
