@@ -21,7 +21,7 @@ from ..base.profiling import event_log, trace_range
 from ..precision.te import attach_main_grads
 from .fsdp2_state import bind_runtime
 from .state import FSDPState, RootContext, TrainingState
-from . import grad_presence
+from . import grad_presence, graph_hold
 from ..memory.offload import settle_host_reads
 from .unshard import plan_bucketed_gathers, reshard, unshard_async, wait_unshard
 from .step_plan import plan_of
@@ -195,7 +195,7 @@ def post_backward(state: FSDPState) -> None:
     event_log.record("backward_end", state.name)
     # The gathered weights go back before the gradients are packed (FSDP2's order): the flat
     # gradient buffer never coexists with this unit's weights.
-    if plan.reshard_after_backward:
+    if plan.reshard_after_backward and not (torch.is_grad_enabled() and graph_hold.hold(state)):
         reshard(state)
     if plan.requires_gradient_sync:
         with trace_range(plan.trace_reduce):
@@ -310,7 +310,7 @@ def _final_callback(ctx: RootContext) -> None:
                 grad_presence.finish(ctx)
             pending = []
             for s in ctx.states:
-                if s.reshard_after_backward:
+                if s.reshard_after_backward and not (torch.is_grad_enabled() and graph_hold.hold(s)):
                     reshard(s)
                 s.training_state = TrainingState.IDLE
                 if (s.forward_with_grad or s.expect_backward) and not s.post_backward_done:

@@ -202,6 +202,11 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
 def _begin_step(ctx: RootContext, root: FSDPState, grad: bool) -> None:
     """What the root's forward does first: give back the main gradients nobody exposes, start
     the allocator's step, agree on and start the bucketed gathers."""
+    if ctx.graph_held:  # weights kept for a graph recorded in backward: this forward gathers anew
+        ctx.graph_held = False
+        for s in ctx.states:
+            if s.held_for_graph:
+                reshard(s)
     # Main grads whose parameters all had their grads cleared (zero_grad(set_to_none=True))
     # go back to the allocator: they take no memory through forward, as in FSDP2.
     for s in ctx.states:

@@ -158,6 +158,8 @@ class FSDPState(FSDP2StateNames):
         self.quiet_count = 0
         self.quiet_left = 0
         self.quiet_hooks = None  # the (pre, post) forward hook functions while detached
+        # Kept gathered after a backward that recorded a graph reading its weights (graph_hold).
+        self.held_for_graph = False
 
     def __repr__(self) -> str:
         return f"FSDPState({self.name!r}, {self.shard_state.value}, {self.training_state.value})"
@@ -208,6 +210,7 @@ class RootContext:
         self.quiet = False
         self.quiet_detached: list[FSDPState] = []
         self.quiet_guard = None  # the root's always-call forward hook that attaches them again
+        self.graph_held = False  # some unit is held gathered for a graph recorded in backward (graph_hold)
 
     @classmethod
     def create(cls, root: FSDPState, states: list[FSDPState], schedule) -> "RootContext":

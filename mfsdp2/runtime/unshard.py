@@ -17,7 +17,7 @@ from ..base.profiling import event_log, trace_range
 from .state import FSDPState, ShardState
 from ..precision.fp8 import gather_riders
 from ..groups.subclass_gather import riders_of
-from . import param_adoption
+from . import graph_hold, param_adoption
 from .step_plan import plan_of
 from ..memory.allocator import BufferRole
 
@@ -152,6 +152,8 @@ def wait_unshard(state: FSDPState) -> None:
 def reshard(state: FSDPState, to_group: bool = False) -> None:
     """Free the gathered parameters; ``to_group`` keeps what a gather inside the unit's rank
     block needs (``reshard_after_forward=<int>``)."""
+    if state.held_for_graph:
+        graph_hold.unhold(state)
     if state.shard_state is ShardState.SHARDED:
         return
     if state.shard_state is ShardState.PARTIAL:
