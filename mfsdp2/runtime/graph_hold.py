@@ -28,8 +28,9 @@ What this module does instead:
   a tensor-subclass parameter's wrapper, torchao's, is held and released alike but not marked.)
 
 Between the ``create_graph`` backward and the one after it, a held unit is gathered as after a
-forward with ``reshard_after_forward=False``: plain parameters are registered, the state dict
-is its DTensors, and it holds one unit's full weights more than a resharded one.
+forward with ``reshard_after_forward=False``: plain parameters are registered and the state dict
+is its DTensors. Every unit that backward reached is held, so the model's full weights are all
+resident until the next backward ends (as with ``reshard_after_forward=False`` everywhere).
 """
 
 from __future__ import annotations
