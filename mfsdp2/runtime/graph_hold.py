@@ -27,10 +27,11 @@ What this module does instead:
   inplace operation" error instead of reading freed memory. (The plain groups' parameters:
   a tensor-subclass parameter's wrapper, torchao's, is held and released alike but not marked.)
 
-Between the ``create_graph`` backward and the one after it, a held unit is gathered as after a
-forward with ``reshard_after_forward=False``: plain parameters are registered and the state dict
-is its DTensors. Every unit that backward reached is held, so the model's full weights are all
-resident until the next backward ends (as with ``reshard_after_forward=False`` everywhere).
+Between the ``create_graph`` backward and the one after it (or the next forward), the module of
+a held unit shows its DTensor parameters, as after any backward (``model.parameters()`` for an
+optimizer built then, clipping, the state dict), while the gathered memory stays. Every unit
+that backward reached is held, so the model's full weights are all resident until the next
+backward ends (as with ``reshard_after_forward=False`` everywhere).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 
 from .state import FSDPState, ShardState
 
-__all__ = ["hold", "unhold"]
+__all__ = ["hold", "register_held", "unhold"]
 
 
 def _frees_memory(state: FSDPState) -> bool:
@@ -52,13 +53,38 @@ def hold(state: FSDPState) -> bool:
     """In autograd's backward, where the unit would reshard: keep it gathered if the running backward
     records a graph and resharding would free the weights that graph saved; returns whether it
     is held (the caller then skips the reshard). Callers test ``torch.is_grad_enabled()``
-    first: off in every other backward, so the usual post-backward pays one call less."""
+    first: off in every other backward, so the usual post-backward pays one call less.
+
+    Not held: outside autograd's engine (a pipeline schedule ending the backward itself, where
+    grad mode is on but nothing is recorded), and under ``torch.func`` transforms, whose
+    ``grad`` records a graph in every backward and uses it before returning (holding there would
+    leave the units gathered, their plain parameters registered, after every ``torch.func.grad``
+    call: an optimizer built next would take them)."""
     if (not torch.is_grad_enabled() or torch._C._current_graph_task_id() == -1
+            or torch._C._are_functorch_transforms_active()
             or state.shard_state is ShardState.SHARDED or not _frees_memory(state)):
-        return False  # (outside autograd's engine: a pipeline schedule ending the backward itself)
+        return False
     state.held_for_graph = True
     state.ctx.graph_held = True
+    # The module shows its DTensor parameters again (an optimizer or a clipping built now takes
+    # them), while the gathered memory stays for the graph; the unit's next use registers the
+    # unsharded ones again (register_held).
+    _register(state, unsharded=False)
     return True
+
+
+def register_held(state: FSDPState) -> None:
+    """A held unit is used again (a pre-forward or pre-backward: an activation-checkpoint
+    recompute, a forward before the next backward): its gathered parameters, still current, are
+    the module's again."""
+    _register(state, unsharded=True)
+
+
+def _register(state: FSDPState, unsharded: bool) -> None:
+    for g in state.groups:
+        g.register(unsharded=unsharded)
+    if state.subclass is not None:
+        state.subclass.register(unsharded=unsharded)
 
 
 def unhold(state: FSDPState) -> None:

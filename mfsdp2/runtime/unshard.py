@@ -137,6 +137,8 @@ def _unshard_general(state: FSDPState) -> None:
 
 def wait_unshard(state: FSDPState) -> None:
     if state.shard_state is not ShardState.UNSHARDING:
+        if state.held_for_graph and state.shard_state is ShardState.UNSHARDED:
+            graph_hold.register_held(state)  # gathered, but its DTensors registered since its hold
         return
     with trace_range(f"mfsdp2.wait_unshard {state.name}"):
         for _, h in state.pending_unshard:

@@ -97,8 +97,8 @@ def _train(rank, ws, case: str, probe: bool) -> tuple:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    # The state dict: after a probe the units are still held gathered (plain parameters registered).
-    return losses, {k: v.full_tensor() for k, v in model.state_dict().items()}
+    # After a probe the units are held gathered; the modules show their DTensors all the same.
+    return losses, {k: p.full_tensor() for k, p in model.named_parameters()}
 
 
 def _check(results, ref) -> None:
