@@ -70,6 +70,16 @@ def shard_blocks(model: nn.Module, mesh, fully_shard=None, **kwargs) -> nn.Modul
     return model
 
 
+def checkpoint_blocks(model: nn.Module) -> nn.Module:
+    """Non-reentrant activation checkpointing inside each of ``model.blocks`` (the unit's own
+    forward runs once more in backward, under the state saved with the forward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for b in model.blocks:
+        b.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(b.forward)
+    return model
+
+
 def batch(step: int, n: int, d_in: int, seed: int = 1234, dtype: torch.dtype = torch.float32):
     """Inputs and targets of a fixed linear teacher plus noise, so the loss can fall (drawn in
     fp32, then converted: the same data for every dtype)."""

@@ -18,10 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils.checkpoint import checkpoint
 
 from .._dist import run_ranks
-from ..models import batch, build, loss_fn, shard_blocks
+from ..models import batch, build, checkpoint_blocks, loss_fn, shard_blocks
 
 WS, STEPS, PER_RANK = 2, 3, 4
 CASES = ("zero3", "zero3_checkpoint", "no_shard")
@@ -37,8 +36,7 @@ def _train(rank, ws, runtime: str) -> dict:
     for case in CASES:
         model = build("net")
         if case == "zero3_checkpoint":
-            for b in model.blocks:
-                b.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(b.forward)
+            checkpoint_blocks(model)
         kw = {"sharding_strategy": "no_shard"} if case == "no_shard" and runtime == "mfsdp2" else {}
         shard_blocks(model, mesh, fully_shard, **kw)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

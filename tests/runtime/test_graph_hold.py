@@ -23,10 +23,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils.checkpoint import checkpoint
 
 from .._dist import run_ranks
-from ..models import F64, REL_F64, assert_close_rel, batch, build, loss_fn, shard_blocks
+from ..models import F64, REL_F64, assert_close_rel, batch, build, checkpoint_blocks, loss_fn, shard_blocks
 
 STEPS = 3
 PER_RANK = 4
@@ -39,11 +38,6 @@ CASES = {
     "zero1": {"sharding_strategy": "optim"},
     "no_shard": {"sharding_strategy": "no_shard"},
 }
-
-
-def _checkpointed(model) -> None:
-    for b in model.blocks:
-        b.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(b.forward)
 
 
 def _objective(model, x, y):
@@ -83,7 +77,7 @@ def _train(rank, ws, case: str, probe: bool) -> tuple:
     mesh = init_device_mesh("cpu", (ws,))
     model = build("net", dtype=F64)
     if case == "zero3_checkpoint":
-        _checkpointed(model)
+        checkpoint_blocks(model)
     shard_blocks(model, mesh, **CASES[case])
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
