@@ -58,8 +58,8 @@ def hold(state: FSDPState) -> bool:
     Not held: outside autograd's engine (a pipeline schedule ending the backward itself, where
     grad mode is on but nothing is recorded), and under ``torch.func`` transforms, whose
     ``grad`` records a graph in every backward and uses it before returning (holding there would
-    leave the units gathered, their plain parameters registered, after every ``torch.func.grad``
-    call: an optimizer built next would take them)."""
+    keep every unit's full weights resident after each ``torch.func.grad`` call, until the next
+    forward)."""
     if (not torch.is_grad_enabled() or torch._C._current_graph_task_id() == -1
             or torch._C._are_functorch_transforms_active()
             or state.shard_state is ShardState.SHARDED or not _frees_memory(state)):
